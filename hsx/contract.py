@@ -1,0 +1,199 @@
+"""The engine protocol shared by the worker, the reference engine and the SGLang plugin.
+
+Standard library only: the SGLang plugin imports this inside a stock server's scheduler process, and the
+API imports it without torch.
+
+Request: SGLang's native ``POST /generate`` with ``input_ids``, ``rid``, ``sampling_params`` (and optionally
+``extra_key``, SGLang's cache namespace). Response: ``meta_info.prompt_tokens`` and
+``meta_info.cached_tokens``. Only requests whose rid starts with :data:`RID_PREFIX` are captured; everything
+else (health checks, warm-up) is served but never dumped.
+
+Dump: a directory ``<dump_dir>/<rid>/`` holding :data:`STATES_FILE` (safetensors: ``input_ids`` int32 [T]
+and one ``hidden.<hf_index>`` tensor [T, H] per captured layer) and :data:`META_FILE`. ``meta.json`` is
+written last, through a rename, so its presence means the dump is complete.
+
+Layer convention: an EAGLE-3 auxiliary layer id ``L`` is the output of decoder layer ``L`` (0-based), which
+is Hugging Face's ``hidden_states[L + 1]``. The final state is the post-norm output of the last layer,
+``hidden_states[N]`` for an ``N``-layer model. Tensors are keyed by the Hugging Face index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+RID_PREFIX = "hsx-"
+META_FILE = "meta.json"
+STATES_FILE = "states.safetensors"
+INFO_PATH = "/hsx/info"
+LAYER_CONVENTION = (
+    "eagle3: aux id L = output of decoder layer L = HF hidden_states[L+1]; "
+    "final = post-norm output = HF hidden_states[N]"
+)
+
+# safetensors dtype names and their item sizes; bf16 is kept as raw 2-byte words here.
+DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
+
+
+def eagle3_aux_layer_ids(num_layers: int) -> list[int]:
+    """The EAGLE-3 default: low, middle and high decoder layers."""
+    if num_layers < 5:
+        raise ValueError(f"EAGLE-3 needs at least 5 decoder layers, model has {num_layers}")
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def hf_indices(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """Hugging Face ``hidden_states`` indices of the aux layers followed by the final post-norm state."""
+    for layer in aux_layer_ids:
+        if not 0 <= layer < num_layers - 1:
+            raise ValueError(f"aux layer {layer} out of range for a {num_layers}-layer model")
+    return [layer + 1 for layer in aux_layer_ids] + [num_layers]
+
+
+def tensor_name(hf_index: int) -> str:
+    return f"hidden.{hf_index}"
+
+
+def is_captured_rid(rid: object) -> bool:
+    return isinstance(rid, str) and rid.startswith(RID_PREFIX)
+
+
+def dump_path(dump_dir: str, rid: str) -> str:
+    """The dump directory of one request; refuses rids that could escape ``dump_dir``."""
+    if not is_captured_rid(rid) or "/" in rid or "\\" in rid or rid in (".", "..") or "\x00" in rid:
+        raise ValueError(f"not a capturable rid: {rid!r}")
+    return os.path.join(dump_dir, rid)
+
+
+@dataclass
+class DumpMeta:
+    rid: str
+    num_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    hidden_size: int
+    dtype: str
+    num_layers: int
+    aux_layer_ids: list[int]
+    hf_indices: list[int]
+    layer_convention: str = LAYER_CONVENTION
+    protocol_version: int = PROTOCOL_VERSION
+    engine: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DumpMeta:
+        raw = json.loads(text)
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+@dataclass
+class EngineInfo:
+    """What ``GET /hsx/info`` returns: enough for a worker to check a job against the engine."""
+
+    backend: str
+    model_path: str
+    num_layers: int
+    hidden_size: int
+    dtype: str
+    aux_layer_ids: list[int]
+    hf_indices: list[int]
+    dump_dir: str
+    prefix_cache: bool
+    protocol_version: int = PROTOCOL_VERSION
+    layer_convention: str = LAYER_CONVENTION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> EngineInfo:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def generate_body(input_ids: Sequence[int], rid: str, extra_key: str | None = None) -> dict[str, Any]:
+    """A prefill-only request: one new token, greedy, so the engine's work is the prompt forward."""
+    body: dict[str, Any] = {
+        "input_ids": list(input_ids),
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+    }
+    if extra_key is not None:
+        body["extra_key"] = extra_key
+    return body
+
+
+# --- minimal safetensors (no pickle, no torch) -------------------------------------------------------
+
+
+def write_safetensors(path: str, tensors: Iterable[tuple[str, str, Sequence[int], bytes]]) -> None:
+    """Write ``(name, dtype, shape, raw little-endian bytes)`` tuples as a safetensors file, fsynced."""
+    header: dict[str, Any] = {}
+    blobs: list[bytes] = []
+    offset = 0
+    for name, dtype, shape, data in tensors:
+        expected = DTYPE_SIZES[dtype]
+        for dim in shape:
+            expected *= dim
+        if len(data) != expected:
+            raise ValueError(f"{name}: {len(data)} bytes for {dtype}{list(shape)}, expected {expected}")
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        for blob in blobs:
+            fh.write(blob)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+@dataclass
+class RawTensor:
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+def read_safetensors(path: str, max_header: int = 16 << 20) -> dict[str, RawTensor]:
+    """Read a safetensors file into raw tensors, checking that the header is sane."""
+    with open(path, "rb") as fh:
+        blob = fh.read()
+    if len(blob) < 8:
+        raise ValueError(f"{path}: truncated safetensors file")
+    (hlen,) = struct.unpack("<Q", blob[:8])
+    if hlen > max_header or 8 + hlen > len(blob):
+        raise ValueError(f"{path}: bad safetensors header length {hlen}")
+    header = json.loads(blob[8 : 8 + hlen])
+    base = 8 + hlen
+    out: dict[str, RawTensor] = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = spec["data_offsets"]
+        if not 0 <= start <= end <= len(blob) - base:
+            raise ValueError(f"{path}: tensor {name} lies outside the file")
+        out[name] = RawTensor(spec["dtype"], list(spec["shape"]), blob[base + start : base + end])
+    return out
+
+
+def write_meta_atomically(directory: str, meta: DumpMeta) -> None:
+    tmp = os.path.join(directory, META_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(meta.to_json())
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, os.path.join(directory, META_FILE))

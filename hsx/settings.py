@@ -1,0 +1,80 @@
+"""The one settings object. Every value comes from the environment with the ``HSX_`` prefix."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_dump_dir() -> str:
+    # Shared memory keeps per-request dumps off the disk where it exists (Linux); elsewhere a temp folder.
+    return "/dev/shm/hsx-dumps" if os.path.isdir("/dev/shm") else str(Path.home() / ".hsx" / "dumps")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HSX_", env_file=None, extra="ignore")
+
+    data_dir: Path = Path(".hsx")
+    database_url: str = ""  # empty: an embedded SQLite file under data_dir
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    queue_name: str = "hsx"
+
+    engine_url: str = "http://127.0.0.1:30000"
+    dump_dir: str = Field(default_factory=_default_dump_dir)
+    output_dir: Path = Path("")  # empty: data_dir / "output"
+    model_cache_dir: Path = Path("")  # empty: data_dir / "models"
+
+    # Work splitting and the lease protocol (the job table is the source of truth, RQ only wakes workers).
+    samples_per_unit: int = 64
+    lease_seconds: float = 60.0
+    heartbeat_seconds: float = 10.0
+    reconcile_seconds: float = 15.0
+    engine_concurrency: int = 8
+    engine_timeout_seconds: float = 600.0
+    engine_retries: int = 4
+    dump_wait_seconds: float = 30.0
+
+    # Security and input limits.
+    api_token: SecretStr | None = None
+    api_token_file: Path | None = None
+    max_body_bytes: int = 1 << 20
+    allowed_uri_schemes: list[str] = ["file", "http", "https"]
+    dataset_roots: list[Path] = []  # empty: the current directory and data_dir
+    max_dataset_bytes: int = 10 << 30
+    max_sample_tokens: int = 131072
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'hsx.sqlite3').resolve()}"
+
+    @property
+    def resolved_output_dir(self) -> Path:
+        return (self.output_dir if str(self.output_dir) not in ("", ".") else self.data_dir / "output").resolve()
+
+    @property
+    def resolved_model_cache_dir(self) -> Path:
+        path = self.model_cache_dir if str(self.model_cache_dir) not in ("", ".") else self.data_dir / "models"
+        return path.resolve()
+
+    @property
+    def resolved_dataset_roots(self) -> list[Path]:
+        roots = self.dataset_roots or [Path.cwd(), self.data_dir]
+        return [root.resolve() for root in roots]
+
+    def token(self) -> str | None:
+        if self.api_token is not None:
+            return self.api_token.get_secret_value()
+        if self.api_token_file is not None:
+            return self.api_token_file.read_text(encoding="utf-8").strip()
+        return None
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
