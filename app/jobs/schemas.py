@@ -1,0 +1,132 @@
+"""Request and response shapes of the jobs API."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+JobStateName = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+
+
+class JobOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["auto", "messages", "sharegpt"] = "auto"
+    chat_template: bool = True
+    max_length: int = Field(4096, ge=8, le=131072, description="Samples are truncated to this many tokens.")
+    aux_layers: list[int] | None = Field(
+        None,
+        min_length=1,
+        max_length=16,
+        description="EAGLE-3 auxiliary layer ids (output of decoder layer L). Default: the engine's, which "
+        "is [1, N//2-1, N-4] plus the final post-norm state.",
+    )
+    samples_per_shard: int = Field(64, ge=1, le=65536)
+    cache_namespace_per_request: bool = Field(
+        True, description="Send each request its own cache namespace (SGLang extra_key) as a second guard."
+    )
+
+    @field_validator("aux_layers")
+    @classmethod
+    def _distinct_non_negative(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (len(set(value)) != len(value) or min(value) < 0):
+            raise ValueError("aux_layers must be distinct non-negative layer ids")
+        return value
+
+
+class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dataset_uri: str = Field(min_length=1, max_length=4096)
+    options: JobOptions = Field(default_factory=JobOptions)
+    idempotency_key: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:\-]+$")
+
+
+class Progress(BaseModel):
+    samples_total: int
+    samples_done: int
+    samples_rejected: int
+    tokens: int
+    tokens_per_second: float | None
+    eta_seconds: float | None
+    units_total: int
+    units_done: int
+    fraction: float
+
+
+class ShardOut(BaseModel):
+    path: str
+    sha256: str
+    bytes: int
+    samples: int
+    tokens: int
+
+
+class RejectionOut(BaseModel):
+    sample_index: int
+    reason: str
+    detail: str
+
+
+class JobOut(BaseModel):
+    id: str
+    state: JobStateName
+    dataset_uri: str
+    options: JobOptions
+    progress: Progress
+    error: str | None
+    output_dir: str
+    manifest: str | None
+    engine: dict[str, object] | None
+    shards: list[ShardOut]
+    rejections: dict[str, int] = Field(description="Rejected samples counted by reason.")
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobSummary(BaseModel):
+    id: str
+    state: JobStateName
+    dataset_uri: str
+    progress: Progress
+    error: str | None
+    created_at: datetime
+
+
+class JobPage(BaseModel):
+    items: list[JobSummary]
+    total: int
+    limit: int
+    offset: int
+
+
+class ShardPage(BaseModel):
+    items: list[ShardOut]
+    total: int
+
+
+class RejectionPage(BaseModel):
+    items: list[RejectionOut]
+    total: int
+    limit: int
+    offset: int
+
+
+class CheckOut(BaseModel):
+    name: str
+    ok: bool
+    expected: object
+    actual: object
+
+
+class VerifyOut(BaseModel):
+    ok: bool
+    checks: list[CheckOut]
+
+
+class ErrorOut(BaseModel):
+    error: str
+    detail: str

@@ -1,0 +1,176 @@
+"""The rules of the jobs API: validate a submission, record it with its work units, wake the workers only
+after the transaction has committed, and present a job's progress."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from app.jobs import schemas
+from hsx.dataset_uri import resolve_dataset_uri
+from hsx.db.models import Job, JobState
+from hsx.errors import BadRequest, Conflict, NotFound
+from hsx.jobs import repository as repo
+from hsx.jobs.finalize import MANIFEST_NAME
+from hsx.jobs.queue import enqueue_wakeups
+from hsx.settings import Settings
+from workers.dataset import DatasetError, validate_dataset_file
+
+# Enough wake-ups for the workers a job can use at once; each processed unit wakes the next.
+MAX_INITIAL_WAKEUPS = 8
+
+
+def request_hash(body: schemas.JobCreate) -> str:
+    canonical = json.dumps(
+        {"dataset_uri": body.dataset_uri, "options": body.options.model_dump(mode="json")}, sort_keys=True
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def unit_ranges(total: int, per_unit: int) -> list[tuple[int, int]]:
+    return [(start, min(start + per_unit, total)) for start in range(0, total, per_unit)]
+
+
+class JobService:
+    def __init__(self, session: Session, settings: Settings) -> None:
+        self.session = session
+        self.settings = settings
+
+    def submit(self, body: schemas.JobCreate, header_key: str | None) -> tuple[Job, bool]:
+        """Returns the job and whether it was created by this call (False: an idempotent repeat)."""
+        if header_key and body.idempotency_key and header_key != body.idempotency_key:
+            raise BadRequest(
+                "the Idempotency-Key header and body field differ", error="idempotency_key_mismatch"
+            )
+        key = header_key or body.idempotency_key
+        digest = request_hash(body)
+        if key:
+            existing = repo.get_job_by_idempotency_key(self.session, key)
+            if existing is not None:
+                return self._same_request(existing, digest), False
+        dataset = resolve_dataset_uri(body.dataset_uri, self.settings)
+        try:
+            summary = validate_dataset_file(dataset.path, self.settings.max_dataset_bytes)
+        except DatasetError as exc:
+            raise BadRequest(exc.detail, error=f"dataset_{exc.reason}") from exc
+        if summary.samples == 0:
+            raise BadRequest("the dataset holds no samples", error="dataset_empty")
+        job_id = str(uuid.uuid4())
+        job = Job(
+            id=job_id,
+            state=JobState.queued.value,
+            dataset_uri=body.dataset_uri,
+            dataset_path=str(dataset.path),
+            dataset_sha256=getattr(dataset, "sha256", None),
+            options=body.options.model_dump(mode="json"),
+            idempotency_key=key,
+            request_hash=digest,
+            output_dir=str(self.settings.resolved_output_dir / job_id),
+            samples_total=summary.samples,
+        )
+        ranges = unit_ranges(summary.samples, body.options.samples_per_shard)
+        job.units_total = len(ranges)
+        try:
+            repo.add_job(self.session, job, ranges)
+            self.session.commit()
+        except IntegrityError:
+            # Another request with the same key committed first: answer with its job.
+            self.session.rollback()
+            existing = repo.get_job_by_idempotency_key(self.session, key) if key else None
+            if existing is None:
+                raise
+            return self._same_request(existing, digest), False
+        enqueue_wakeups(self.settings, job.id, min(len(ranges), MAX_INITIAL_WAKEUPS))
+        return job, True
+
+    @staticmethod
+    def _same_request(job: Job, digest: str) -> Job:
+        if job.request_hash != digest:
+            raise Conflict(
+                "this idempotency key was used for a different request", error="idempotency_key_reused"
+            )
+        return job
+
+    def get(self, job_id: str) -> Job:
+        job = repo.get_job(self.session, job_id)
+        if job is None:
+            raise NotFound(f"no job {job_id}", error="job_not_found")
+        return job
+
+    def cancel(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        if JobState(job.state).is_final:
+            raise Conflict(f"job is already {job.state}", error="job_finished")
+        repo.set_job_state(
+            self.session, job_id, JobState.cancelled, repo.ACTIVE_STATES, error="cancelled by request"
+        )
+        self.session.commit()
+        self.session.refresh(job)
+        return job
+
+    # --- presentation -----------------------------------------------------------------------------------
+
+    def progress(self, job: Job) -> schemas.Progress:
+        handled = job.samples_done + job.samples_rejected
+        rate = eta = None
+        if job.started_at is not None:
+            end = job.finished_at or datetime.now(timezone.utc)
+            started = job.started_at if job.started_at.tzinfo else job.started_at.replace(tzinfo=timezone.utc)
+            end = end if end.tzinfo else end.replace(tzinfo=timezone.utc)
+            elapsed = max((end - started).total_seconds(), 1e-6)
+            rate = job.tokens_done / elapsed
+            if job.state == JobState.running.value and handled:
+                eta = (job.samples_total - handled) * elapsed / handled
+        return schemas.Progress(
+            samples_total=job.samples_total,
+            samples_done=job.samples_done,
+            samples_rejected=job.samples_rejected,
+            tokens=job.tokens_done,
+            tokens_per_second=None if rate is None else round(rate, 1),
+            eta_seconds=None if eta is None or math.isnan(eta) else round(eta, 1),
+            units_total=job.units_total,
+            units_done=job.units_done,
+            fraction=round(handled / job.samples_total, 4) if job.samples_total else 0.0,
+        )
+
+    def shards(self, job: Job) -> list[schemas.ShardOut]:
+        return [
+            schemas.ShardOut(path=s.path, sha256=s.sha256, bytes=s.bytes, samples=s.samples, tokens=s.tokens)
+            for s in repo.list_shards(self.session, job.id)
+        ]
+
+    def document(self, job: Job) -> schemas.JobOut:
+        manifest = Path(job.output_dir) / MANIFEST_NAME
+        return schemas.JobOut(
+            id=job.id,
+            state=job.state,  # type: ignore[arg-type]
+            dataset_uri=job.dataset_uri,
+            options=schemas.JobOptions.model_validate(job.options),
+            progress=self.progress(job),
+            error=job.error,
+            output_dir=job.output_dir,
+            manifest=str(manifest) if job.state == JobState.succeeded.value else None,
+            engine=job.engine,
+            shards=self.shards(job),
+            rejections=repo.rejection_counts(self.session, job.id),
+            created_at=job.created_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+        )
+
+    def summary(self, job: Job) -> schemas.JobSummary:
+        return schemas.JobSummary(
+            id=job.id,
+            state=job.state,  # type: ignore[arg-type]
+            dataset_uri=job.dataset_uri,
+            progress=self.progress(job),
+            error=job.error,
+            created_at=job.created_at,
+        )

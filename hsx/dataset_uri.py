@@ -1,0 +1,452 @@
+"""Turn the dataset URI of a job request into a local regular file the worker may read, or refuse it.
+
+Accepted forms, each only while its scheme is in ``settings.allowed_uri_schemes``:
+
+* a plain path or ``file://`` URI: must resolve, symlinks included, to a regular file under one of
+  ``settings.resolved_dataset_roots`` no larger than ``settings.max_dataset_bytes``. A relative plain path is
+  taken relative to the first root. ``..`` segments and NUL bytes are refused at every percent-decoding
+  level, so ``%2e%2e`` and ``%252e%252e`` are refused too; the realpath containment check is what actually
+  holds the line, the early refusal only makes the reason clear.
+* ``http://`` and ``https://``: downloaded into ``settings.data_dir/downloads`` and named by its sha256. Each
+  hop (redirects are followed by hand, at most :data:`MAX_REDIRECTS`) must name a host whose every address is
+  public, and the connection goes to an address that was checked, never through a second DNS lookup, so DNS
+  rebinding cannot swap in a private address between the check and the connect. TLS is still verified against
+  the host name. Environment proxies are ignored (they would connect on our behalf, unchecked).
+* ``s3://bucket/key``: refused unless the bucket is in ``settings.allowed_buckets``, and then refused anyway,
+  because this build has no S3 client.
+
+Every refusal is a :class:`UriRefused` (a :class:`~hsx.errors.BadRequest` or :class:`~hsx.errors.Forbidden`)
+with a stable ``error`` code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import os
+import re
+import socket
+import ssl
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
+
+import httpx
+
+from hsx.errors import BadRequest, Forbidden, HsxError
+from hsx.settings import Settings
+
+MAX_REDIRECTS = 5
+_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+_HTTP_SCHEMES = frozenset({"http", "https"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+_S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_SAFE_SUFFIX = re.compile(r"^\.[A-Za-z0-9]{1,10}$")
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+# Decoding more layers than this is no longer a plausible file name, only an attempt to outlast the check.
+_MAX_DECODE_ROUNDS = 4
+_CHUNK_BYTES = 1 << 20
+
+# Blocks refused on top of what ``ipaddress`` flags, because its lists vary across Python patch releases
+# (multicast and 100.64/10, for one, were not "private" in every version).
+_NOT_PUBLIC_NETWORKS = tuple(
+    ipaddress.ip_network(block)
+    for block in (
+        "0.0.0.0/8",
+        "10.0.0.0/8",
+        "100.64.0.0/10",  # carrier-grade NAT
+        "127.0.0.0/8",
+        "169.254.0.0/16",  # link-local, where cloud metadata services live
+        "172.16.0.0/12",
+        "192.0.0.0/24",
+        "192.0.2.0/24",
+        "192.88.99.0/24",
+        "192.168.0.0/16",
+        "198.18.0.0/15",
+        "198.51.100.0/24",
+        "203.0.113.0/24",
+        "224.0.0.0/4",
+        "240.0.0.0/4",  # reserved, and the limited broadcast address
+        "::/8",  # unspecified, loopback, IPv4-compatible
+        "64:ff9b:1::/48",  # local-use NAT64
+        "100::/64",
+        "2001::/23",  # IETF protocol assignments, Teredo among them
+        "2001:db8::/32",
+        "fc00::/7",  # unique local
+        "fe80::/10",
+        "fec0::/10",
+        "ff00::/8",
+    )
+)
+_NAT64_WELL_KNOWN = ipaddress.IPv6Network("64:ff9b::/96")
+
+HostCheck = Callable[[str], list[str]]
+
+
+class UriRefused(HsxError):
+    """Base of every refusal here, so a caller can catch them all while each keeps its status code."""
+
+
+class InvalidUri(UriRefused, BadRequest):
+    pass
+
+
+class ForbiddenUri(UriRefused, Forbidden):
+    pass
+
+
+@dataclass(frozen=True)
+class ResolvedDataset:
+    uri: str  # as the client gave it
+    path: Path  # real path (no symlinks) of a regular file
+    size_bytes: int
+    sha256: str | None  # known for downloads; local files are not hashed here, they may be many GiB
+    source_url: str | None = None  # downloads: the URL the bytes came from, after redirects
+
+
+def resolve_dataset_uri(uri: str, settings: Settings) -> ResolvedDataset:
+    """Resolve ``uri`` to a vetted local file, downloading http(s) datasets first."""
+    scheme, is_uri = _checked_scheme(uri, settings)
+    if scheme == "file":
+        return _resolve_local(uri, is_uri, settings)
+    if scheme in _HTTP_SCHEMES:
+        return download_dataset(uri, settings)
+    if scheme == "s3":
+        _refuse_s3(uri, settings)
+    raise InvalidUri(f"scheme {scheme!r} is allowed but hsx cannot read it", error="uri_scheme_not_supported")
+
+
+def check_dataset_uri(uri: str, settings: Settings) -> None:
+    """Refuse what :func:`resolve_dataset_uri` would refuse without transferring anything.
+
+    For the API at submit time, so a download of many GiB happens in a worker rather than in a request. A
+    remote URI can still fail later (redirects, size, the server); a local one is checked in full.
+    """
+    scheme, is_uri = _checked_scheme(uri, settings)
+    if scheme == "file":
+        _resolve_local(uri, is_uri, settings)
+    elif scheme in _HTTP_SCHEMES:
+        ensure_public_host(_HttpTarget.parse(uri, settings).host)
+    elif scheme == "s3":
+        _refuse_s3(uri, settings)
+    else:
+        raise InvalidUri(
+            f"scheme {scheme!r} is allowed but hsx cannot read it", error="uri_scheme_not_supported"
+        )
+
+
+def _checked_scheme(uri: str, settings: Settings) -> tuple[str, bool]:
+    """The lower-cased scheme (``file`` for a plain path) and whether ``uri`` was a URI at all."""
+    if not uri.strip():
+        raise InvalidUri("the dataset URI is empty", error="invalid_uri")
+    if "\x00" in uri:
+        raise InvalidUri("the dataset URI contains a NUL byte", error="nul_byte")
+    # urlsplit silently drops tabs and newlines, so ".\n." would reach the path as ".." after every check.
+    if _CONTROL_CHARACTER.search(uri):
+        raise InvalidUri("the dataset URI contains a control character", error="invalid_uri")
+    match = _SCHEME.match(uri)
+    scheme, is_uri = (match.group(1).lower(), True) if match else ("file", False)
+    # A plain path is a local file: it is refused with file:// so it cannot be a way around that setting.
+    if scheme not in {allowed.lower() for allowed in settings.allowed_uri_schemes}:
+        raise ForbiddenUri(f"URI scheme {scheme!r} is not allowed here", error="uri_scheme_not_allowed")
+    return scheme, is_uri
+
+
+# Local files
+
+
+def _resolve_local(uri: str, is_uri: bool, settings: Settings) -> ResolvedDataset:
+    _refuse_traversal(uri)
+    if is_uri:
+        parts = urlsplit(uri)
+        if parts.netloc not in ("", "localhost"):
+            raise InvalidUri("a file URI must name a local path, as file:///path", error="invalid_uri")
+        if parts.query or parts.fragment:
+            raise InvalidUri("a file URI takes no query or fragment", error="invalid_uri")
+        text = unquote(parts.path)
+    else:
+        text = uri
+    roots = settings.resolved_dataset_roots
+    if not roots:
+        raise ForbiddenUri("no dataset roots are configured", error="path_outside_roots")
+    path = Path(text)
+    if not path.is_absolute():
+        path = roots[0] / path
+    real = Path(os.path.realpath(path))
+    # Containment before existence, so the answer says nothing about files outside the roots.
+    if not any(real.is_relative_to(root) for root in roots):
+        raise ForbiddenUri("the dataset path is outside the dataset roots", error="path_outside_roots")
+    try:
+        info = os.stat(real)
+    except FileNotFoundError as exc:
+        raise InvalidUri(f"no such dataset file: {text}", error="dataset_not_found") from exc
+    except OSError as exc:
+        raise InvalidUri(
+            f"the dataset file cannot be read: {exc.strerror}", error="dataset_unreadable"
+        ) from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise InvalidUri("the dataset path is not a regular file", error="not_a_file")
+    if info.st_size > settings.max_dataset_bytes:
+        raise InvalidUri(
+            f"the dataset is {info.st_size} bytes, over the limit of {settings.max_dataset_bytes}",
+            error="dataset_too_large",
+        )
+    if not os.access(real, os.R_OK):
+        raise InvalidUri("the dataset file is not readable by the service", error="dataset_unreadable")
+    return ResolvedDataset(uri=uri, path=real, size_bytes=info.st_size, sha256=None)
+
+
+def _refuse_traversal(text: str) -> None:
+    """Refuse ``..`` segments and NUL bytes in ``text`` and in each of its percent-decodings."""
+    layer = text
+    for _ in range(_MAX_DECODE_ROUNDS + 1):
+        if "\x00" in layer:
+            raise InvalidUri("the dataset path contains a NUL byte", error="nul_byte")
+        if ".." in re.split(r"[/\\]", layer):
+            raise InvalidUri("the dataset path contains a '..' segment", error="path_traversal")
+        decoded = unquote(layer)
+        if decoded == layer:
+            return
+        layer = decoded
+    raise InvalidUri("the dataset path has too many layers of percent-encoding", error="path_traversal")
+
+
+# S3
+
+
+def _refuse_s3(uri: str, settings: Settings) -> NoReturn:
+    parts = urlsplit(uri)
+    bucket = parts.netloc
+    if not _S3_BUCKET.match(bucket) or not parts.path.strip("/"):
+        raise InvalidUri("an S3 URI is s3://bucket/key", error="invalid_uri")
+    if bucket not in settings.allowed_buckets:
+        raise ForbiddenUri(f"bucket {bucket!r} is not in the allowed buckets", error="bucket_not_allowed")
+    raise InvalidUri(
+        "s3 support is not installed in this build (there is no S3 client); "
+        "copy the object under a dataset root or serve it over https",
+        error="s3_support_not_installed",
+    )
+
+
+# Remote addresses
+
+
+def is_public_address(address: str) -> bool:
+    """Whether ``address`` (an IP literal) is a globally routable unicast address.
+
+    IPv6 forms that carry an IPv4 address (mapped, 6to4, well-known NAT64) are judged by that address.
+    """
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.teredo is not None:
+            return False
+        embedded = ip.ipv4_mapped or ip.sixtofour
+        if embedded is None and ip in _NAT64_WELL_KNOWN:
+            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if embedded is not None:
+            return is_public_address(str(embedded))
+    if any(ip in network for network in _NOT_PUBLIC_NETWORKS):
+        return False
+    flagged = ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast
+    return ip.is_global and not (flagged or ip.is_reserved or ip.is_unspecified)
+
+
+def ensure_public_host(host: str) -> list[str]:
+    """Resolve ``host`` (a name or an IP literal) and return its addresses if every one is public.
+
+    Raises :class:`ForbiddenUri` (``address_not_public``) when any address is not public: the connection may
+    pick any of them. Numeric shorthands that the system resolver accepts (``127.1``, ``0x7f000001``) are
+    judged by what they resolve to. Connect only to the returned addresses.
+    """
+    name = host.strip()
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    if not name:
+        raise InvalidUri("the URI names no host", error="invalid_uri")
+    try:
+        infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError) as exc:
+        raise InvalidUri(f"host {host!r} does not resolve", error="host_not_resolvable") from exc
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))  # ordered, without duplicates
+    if not addresses:
+        raise InvalidUri(f"host {host!r} does not resolve", error="host_not_resolvable")
+    for address in addresses:
+        if not is_public_address(address):
+            raise ForbiddenUri(
+                f"host {host!r} resolves to {address}, which is not a public address",
+                error="address_not_public",
+            )
+    return addresses
+
+
+# Downloads
+
+
+@dataclass(frozen=True)
+class _HttpTarget:
+    url: str
+    scheme: str
+    host: str  # ASCII (IDNA) host, without brackets
+    port: int
+    host_header: str
+    path_and_query: tuple[str, str]
+
+    @classmethod
+    def parse(cls, url: str, settings: Settings) -> _HttpTarget:
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        allowed = {allowed.lower() for allowed in settings.allowed_uri_schemes}
+        if scheme not in _HTTP_SCHEMES or scheme not in allowed:
+            raise ForbiddenUri(f"URI scheme {scheme!r} is not allowed here", error="uri_scheme_not_allowed")
+        # Credentials would be stored with the job and shown back in its record.
+        if parts.username is not None or parts.password is not None:
+            raise InvalidUri("the URI must not carry credentials", error="invalid_uri")
+        if not parts.hostname:
+            raise InvalidUri("the URI names no host", error="invalid_uri")
+        try:
+            host = parts.hostname.encode("idna").decode("ascii")
+            port = parts.port or _DEFAULT_PORTS[scheme]
+        except (UnicodeError, ValueError) as exc:
+            raise InvalidUri(f"the URI is malformed: {exc}", error="invalid_uri") from exc
+        bracketed = f"[{host}]" if ":" in host else host
+        host_header = bracketed if parts.port is None else f"{bracketed}:{port}"
+        return cls(url, scheme, host, port, host_header, (parts.path or "/", parts.query))
+
+    def pinned_url(self, address: str) -> str:
+        netloc = f"[{address}]:{self.port}" if ":" in address else f"{address}:{self.port}"
+        return urlunsplit((self.scheme, netloc, *self.path_and_query, ""))
+
+
+def download_dataset(
+    url: str,
+    settings: Settings,
+    *,
+    check_host: HostCheck = ensure_public_host,
+    tls_context: ssl.SSLContext | None = None,
+) -> ResolvedDataset:
+    """Download ``url`` into ``data_dir/downloads`` and return it as a dataset.
+
+    ``check_host`` vets every hop and returns the addresses to connect to; production passes nothing and
+    gets :func:`ensure_public_host`. Tests inject a check that lets a loopback server through, and
+    ``tls_context`` to trust a test certificate.
+    """
+    deadline = time.monotonic() + settings.http_download_deadline_seconds
+    current = url
+    for _ in range(MAX_REDIRECTS + 1):
+        target = _HttpTarget.parse(current, settings)
+        addresses = check_host(target.host)
+        with _pinned_get(target, addresses, settings, tls_context) as response:
+            if response.status_code in _REDIRECT_STATUSES:
+                location = response.headers.get("location")
+                if not location:
+                    raise InvalidUri(
+                        f"{target.host} sent a redirect without a Location", error="download_failed"
+                    )
+                current = urljoin(current, location)
+                continue
+            if response.status_code != 200:
+                raise InvalidUri(
+                    f"{target.host} answered HTTP {response.status_code}", error="download_failed"
+                )
+            path, size, sha256 = _stage(response, current, settings, deadline)
+            return ResolvedDataset(uri=url, path=path, size_bytes=size, sha256=sha256, source_url=current)
+    raise InvalidUri(f"more than {MAX_REDIRECTS} redirects", error="too_many_redirects")
+
+
+@contextmanager
+def _pinned_get(
+    target: _HttpTarget, addresses: list[str], settings: Settings, tls_context: ssl.SSLContext | None
+) -> Iterator[httpx.Response]:
+    """GET ``target`` from the first of the checked ``addresses`` that accepts a connection."""
+    headers = {"Host": target.host_header, "Accept-Encoding": "identity", "User-Agent": "hsx-dataset-fetch"}
+    # The URL names the address, so nothing resolves the host again; SNI and certificate checks use the name.
+    extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
+    last_error: Exception | None = None
+    for address in addresses:
+        # One client per hop: a pooled TLS connection must not carry a request for another host name.
+        client = httpx.Client(
+            trust_env=False,
+            follow_redirects=False,
+            timeout=httpx.Timeout(settings.http_timeout_seconds),
+            verify=tls_context if tls_context is not None else True,
+        )
+        try:
+            try:
+                request = client.build_request(
+                    "GET", target.pinned_url(address), headers=headers, extensions=extensions
+                )
+            except (httpx.InvalidURL, ValueError) as exc:
+                raise InvalidUri(f"the URI is malformed: {exc}", error="invalid_uri") from exc
+            try:
+                response = client.send(request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                last_error = exc
+                continue
+            except httpx.HTTPError as exc:
+                raise InvalidUri(
+                    f"fetching from {target.host} failed: {exc}", error="download_failed"
+                ) from exc
+            try:
+                yield response
+            finally:
+                response.close()
+            return
+        finally:
+            client.close()
+    raise InvalidUri(f"could not connect to {target.host}: {last_error}", error="download_failed")
+
+
+def _stage(response: httpx.Response, url: str, settings: Settings, deadline: float) -> tuple[Path, int, str]:
+    """Stream the body into a staging file, then rename it to its sha256. Returns path, size, digest."""
+    limit = settings.max_dataset_bytes
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise InvalidUri(
+            f"the dataset is {declared} bytes, over the limit of {limit}", error="dataset_too_large"
+        )
+    downloads = (settings.data_dir / "downloads").resolve()
+    downloads.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    size = 0
+    fd, partial_name = tempfile.mkstemp(dir=downloads, prefix=".partial-")
+    partial = Path(partial_name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            try:
+                for chunk in response.iter_bytes(_CHUNK_BYTES):
+                    size += len(chunk)
+                    # Counted after decoding, so a compressed body cannot expand past the limit.
+                    if size > limit:
+                        raise InvalidUri(
+                            f"the dataset is over the limit of {limit} bytes", error="dataset_too_large"
+                        )
+                    if time.monotonic() > deadline:
+                        raise InvalidUri("the download took too long", error="download_failed")
+                    digest.update(chunk)
+                    out.write(chunk)
+            except httpx.HTTPError as exc:
+                raise InvalidUri(f"the download broke off: {exc}", error="download_failed") from exc
+            out.flush()
+            os.fsync(out.fileno())
+        final = downloads / f"{digest.hexdigest()}{_suffix_of(url)}"
+        os.replace(partial, final)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return final, size, digest.hexdigest()
+
+
+def _suffix_of(url: str) -> str:
+    """The URL path's file suffixes (``.jsonl``, ``.json.gz``) when they are plain, for format detection."""
+    suffixes = Path(unquote(urlsplit(url).path)).suffixes[-2:]
+    return "".join(suffix for suffix in suffixes if _SAFE_SUFFIX.match(suffix))

@@ -1,0 +1,126 @@
+"""The job table: the source of truth for every job, work unit, shard and rejected sample."""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class JobState(str, enum.Enum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (JobState.succeeded, JobState.failed, JobState.cancelled)
+
+
+class UnitState(str, enum.Enum):
+    pending = "pending"
+    leased = "leased"
+    done = "done"
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), default=JobState.queued.value, index=True)
+    dataset_uri: Mapped[str] = mapped_column(Text)
+    dataset_path: Mapped[str] = mapped_column(Text)
+    dataset_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    options: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True, nullable=True)
+    request_hash: Mapped[str] = mapped_column(String(64))
+    output_dir: Mapped[str] = mapped_column(Text)
+    # What the engine reported when the job started; later workers must match it.
+    engine: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    samples_total: Mapped[int] = mapped_column(Integer, default=0)
+    samples_done: Mapped[int] = mapped_column(Integer, default=0)
+    samples_rejected: Mapped[int] = mapped_column(Integer, default=0)
+    tokens_done: Mapped[int] = mapped_column(BigInteger, default=0)
+    units_total: Mapped[int] = mapped_column(Integer, default=0)
+    units_done: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+
+
+class WorkUnit(Base):
+    __tablename__ = "work_units"
+    __table_args__ = (
+        UniqueConstraint("job_id", "unit_index", name="uq_work_units_job_index"),
+        Index("ix_work_units_job_state", "job_id", "state"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    unit_index: Mapped[int] = mapped_column(Integer)
+    sample_start: Mapped[int] = mapped_column(Integer)
+    sample_end: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), default=UnitState.pending.value)
+    # Fencing token: every claim bumps it, and every write of results names the attempt it belongs to.
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    # Epoch seconds; all workers compare against their own clock, so hosts must keep NTP time.
+    lease_expires: Mapped[float | None] = mapped_column(Float, nullable=True)
+    samples_done: Mapped[int] = mapped_column(Integer, default=0)
+    samples_rejected: Mapped[int] = mapped_column(Integer, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class Shard(Base):
+    __tablename__ = "shards"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    unit_id: Mapped[int] = mapped_column(ForeignKey("work_units.id", ondelete="CASCADE"), unique=True)
+    # "<job_id>/<unit_index>": a unit's results are recorded once, whatever retried it.
+    key: Mapped[str] = mapped_column(String(100), unique=True)
+    path: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    samples: Mapped[int] = mapped_column(Integer)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Rejection(Base):
+    __tablename__ = "rejections"
+    __table_args__ = (UniqueConstraint("job_id", "sample_index", name="uq_rejections_job_sample"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    unit_id: Mapped[int] = mapped_column(ForeignKey("work_units.id", ondelete="CASCADE"))
+    sample_index: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(String(64))
+    detail: Mapped[str] = mapped_column(Text, default="")

@@ -1,0 +1,64 @@
+"""Closing a job: once every unit is done, write the manifest and mark the job succeeded (once)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from hsx.db.models import JobState, UnitState
+from hsx.db.session import session_scope
+from hsx.jobs import repository as repo
+from hsx.manifest import Counts, Manifest, ModelInfo, ShardEntry, relative_shard_path
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+
+
+def finalize_if_complete(db_url: str, job_id: str) -> bool:
+    """Returns True when the job is finished (by this call or an earlier one)."""
+    with session_scope(db_url) as session:
+        job = repo.get_job(session, job_id)
+        if job is None or JobState(job.state).is_final:
+            return True
+        if job.state != JobState.running.value:
+            return False
+        counts = repo.unit_counts(session, job_id)
+        if sum(n for state, n in counts.items() if state != UnitState.done.value):
+            return False
+        shards = repo.list_shards(session, job_id)
+        engine = job.engine or {}
+        out = Path(job.output_dir)
+        manifest = Manifest(
+            job_id=job.id,
+            model=ModelInfo(
+                path=str(engine.get("model_path", "")),
+                num_layers=int(engine.get("num_layers", 0)),
+                hidden_size=int(engine.get("hidden_size", 0)),
+                dtype=str(engine.get("dtype", "")),
+            ),
+            tokenizer=dict(engine.get("tokenizer", {})),
+            chat_template_sha256=engine.get("chat_template_sha256"),
+            aux_layer_ids=list(engine.get("aux_layer_ids", [])),
+            hf_indices=list(engine.get("hf_indices", [])),
+            dtype=str(engine.get("state_dtype", "")),
+            hidden_size=int(engine.get("hidden_size", 0)),
+            counts=Counts(samples=job.samples_done, rejected=job.samples_rejected, tokens=job.tokens_done),
+            shards=[
+                ShardEntry(
+                    path=relative_shard_path(out, Path(s.path)),
+                    sha256=s.sha256,
+                    bytes=s.bytes,
+                    samples=s.samples,
+                    tokens=s.tokens,
+                )
+                for s in shards
+            ],
+            extra={"dataset_uri": job.dataset_uri, "options": dict(job.options)},
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        manifest.write(out)
+        done = repo.set_job_state(session, job_id, JobState.succeeded, [JobState.running.value])
+    if done:
+        log.info("job %s succeeded", job_id)
+    return True

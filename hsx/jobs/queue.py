@@ -1,0 +1,50 @@
+"""Waking workers through RQ. Jobs are enqueued by dotted path so that the API never imports torch."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from redis import Redis
+from rq import Queue
+
+from hsx.settings import Settings
+
+log = logging.getLogger(__name__)
+
+RUN_UNIT = "workers.tasks.run_next_unit"
+WAKEUP_PREFIX = "hsx-wake-"
+
+
+def redis_connection(settings: Settings) -> Redis:
+    return Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=5)
+
+
+def queue_for(settings: Settings, connection: Redis | None = None) -> Queue:
+    return Queue(settings.queue_name, connection=connection or redis_connection(settings))
+
+
+def enqueue_wakeups(settings: Settings, job_id: str, count: int) -> int:
+    """Enqueue ``count`` wake-ups for a job. A failure is logged, not raised: the job row is already
+    committed and the reconciler re-enqueues any job that has work and no live lease."""
+    try:
+        queue = queue_for(settings)
+        for _ in range(count):
+            queue.enqueue(
+                RUN_UNIT,
+                job_id,
+                job_id=f"{WAKEUP_PREFIX}{job_id}-{uuid.uuid4().hex[:12]}",
+                job_timeout=-1,
+                result_ttl=600,
+                failure_ttl=7 * 86400,
+            )
+        return count
+    except Exception as exc:  # noqa: BLE001 - the reconciler is the safety net for any Redis failure
+        log.warning("could not enqueue wake-ups for job %s: %s", job_id, exc)
+        return 0
+
+
+def queued_wakeups(settings: Settings, job_id: str) -> int:
+    queue = queue_for(settings)
+    prefix = f"{WAKEUP_PREFIX}{job_id}-"
+    return sum(1 for jid in queue.get_job_ids() if jid.startswith(prefix))

@@ -1,0 +1,319 @@
+"""Queries on the job table, shared by the API and the workers. No rules live here, only SQL."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from hsx.db.models import Job, JobState, Rejection, Shard, UnitState, WorkUnit, utcnow
+
+ACTIVE_STATES = (JobState.queued.value, JobState.running.value)
+
+
+@dataclass(frozen=True)
+class ClaimedUnit:
+    id: int
+    job_id: str
+    unit_index: int
+    sample_start: int
+    sample_end: int
+    attempt: int
+    owner: str
+
+
+@dataclass(frozen=True)
+class RejectionRow:
+    sample_index: int
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class ShardRow:
+    path: str
+    sha256: str
+    bytes: int
+    samples: int
+    tokens: int
+
+
+# --- jobs -----------------------------------------------------------------------------------------------
+
+
+def add_job(session: Session, job: Job, unit_ranges: Sequence[tuple[int, int]]) -> None:
+    session.add(job)
+    session.flush()
+    session.add_all(
+        WorkUnit(job_id=job.id, unit_index=i, sample_start=start, sample_end=end)
+        for i, (start, end) in enumerate(unit_ranges)
+    )
+
+
+def get_job(session: Session, job_id: str) -> Job | None:
+    return session.get(Job, job_id)
+
+
+def get_job_by_idempotency_key(session: Session, key: str) -> Job | None:
+    return session.scalars(select(Job).where(Job.idempotency_key == key)).first()
+
+
+def list_jobs(session: Session, state: str | None, limit: int, offset: int) -> tuple[list[Job], int]:
+    query = select(Job)
+    count = select(func.count()).select_from(Job)
+    if state is not None:
+        query = query.where(Job.state == state)
+        count = count.where(Job.state == state)
+    rows = session.scalars(query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset)).all()
+    return list(rows), int(session.scalar(count) or 0)
+
+
+def set_job_state(
+    session: Session, job_id: str, new_state: JobState, from_states: Sequence[str], **values: Any
+) -> bool:
+    """Compare-and-set a job's state; returns whether this caller made the transition."""
+    stamp: dict[str, Any] = {"updated_at": utcnow()}
+    if new_state == JobState.running:
+        stamp["started_at"] = utcnow()
+    if new_state.is_final:
+        stamp["finished_at"] = utcnow()
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state.in_(list(from_states)))
+        .values(state=new_state.value, **stamp, **values)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def job_state(session: Session, job_id: str) -> str | None:
+    return session.scalar(select(Job.state).where(Job.id == job_id))
+
+
+def active_job_ids(session: Session) -> list[str]:
+    return list(session.scalars(select(Job.id).where(Job.state.in_(ACTIVE_STATES))).all())
+
+
+# --- work units and leases --------------------------------------------------------------------------------
+
+
+def _claimable(now: float) -> Any:
+    return or_(
+        WorkUnit.state == UnitState.pending.value,
+        and_(WorkUnit.state == UnitState.leased.value, WorkUnit.lease_expires < now),
+    )
+
+
+def claim_unit(
+    session: Session, job_id: str, owner: str, lease_seconds: float, now: float
+) -> ClaimedUnit | None:
+    """Lease the first claimable unit of a job. A compare-and-set on (state, attempt) makes two claimers
+    that read the same row race safely on every backend, SQLite included."""
+    for _ in range(20):
+        row = session.execute(
+            select(WorkUnit.id, WorkUnit.attempt, WorkUnit.state)
+            .where(WorkUnit.job_id == job_id, _claimable(now))
+            .order_by(WorkUnit.unit_index)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+        ).first()
+        if row is None:
+            return None
+        unit_id, attempt, state = row
+        result = session.execute(
+            update(WorkUnit)
+            .where(WorkUnit.id == unit_id, WorkUnit.attempt == attempt, WorkUnit.state == state)
+            .values(
+                state=UnitState.leased.value,
+                attempt=attempt + 1,
+                lease_owner=owner,
+                lease_expires=now + lease_seconds,
+            )
+            .execution_options(synchronize_session=False)
+        )
+        if result.rowcount:  # type: ignore[attr-defined]
+            unit = session.get(WorkUnit, unit_id)
+            assert unit is not None
+            session.refresh(unit)
+            return ClaimedUnit(
+                unit.id, unit.job_id, unit.unit_index, unit.sample_start, unit.sample_end, unit.attempt, owner
+            )
+    return None
+
+
+def _owned(unit: ClaimedUnit, now: float) -> Any:
+    return and_(
+        WorkUnit.id == unit.id,
+        WorkUnit.attempt == unit.attempt,
+        WorkUnit.lease_owner == unit.owner,
+        WorkUnit.state == UnitState.leased.value,
+        WorkUnit.lease_expires >= now,
+    )
+
+
+def extend_lease(session: Session, unit: ClaimedUnit, lease_seconds: float, now: float) -> bool:
+    """A heartbeat: succeeds only while this attempt still holds an unexpired lease."""
+    result = session.execute(
+        update(WorkUnit)
+        .where(_owned(unit, now))
+        .values(lease_expires=now + lease_seconds)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def release_unit(session: Session, unit: ClaimedUnit) -> bool:
+    """Give a unit back untouched (graceful shutdown): the next claim takes it at once."""
+    result = session.execute(
+        update(WorkUnit)
+        .where(
+            WorkUnit.id == unit.id, WorkUnit.attempt == unit.attempt, WorkUnit.state == UnitState.leased.value
+        )
+        .values(state=UnitState.pending.value, lease_owner=None, lease_expires=None)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def unit_committed_by(session: Session, unit: ClaimedUnit) -> bool:
+    """After an ambiguous commit (connection lost), tells whether this attempt's commit landed."""
+    row = session.execute(select(WorkUnit.state, WorkUnit.attempt).where(WorkUnit.id == unit.id)).first()
+    return row is not None and row[0] == UnitState.done.value and row[1] == unit.attempt
+
+
+def commit_unit(
+    session: Session,
+    unit: ClaimedUnit,
+    now: float,
+    shard: ShardRow | None,
+    rejections: Sequence[RejectionRow],
+    samples_done: int,
+    tokens: int,
+    publish: Callable[[], None],
+) -> bool:
+    """Record a unit's results once. The fenced UPDATE both checks that this attempt still owns an unexpired
+    lease and takes the row's write lock, so ``publish`` (the shard's rename into place) runs while no
+    other attempt can commit. Returns False, writing nothing, when the lease was lost."""
+    result = session.execute(
+        update(WorkUnit)
+        .where(_owned(unit, now))
+        .values(
+            state=UnitState.done.value,
+            lease_expires=None,
+            samples_done=samples_done,
+            samples_rejected=len(rejections),
+            tokens=tokens,
+            finished_at=utcnow(),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    if not result.rowcount:  # type: ignore[attr-defined]
+        return False
+    publish()
+    if shard is not None:
+        session.add(
+            Shard(
+                job_id=unit.job_id,
+                unit_id=unit.id,
+                key=f"{unit.job_id}/{unit.unit_index}",
+                path=shard.path,
+                sha256=shard.sha256,
+                bytes=shard.bytes,
+                samples=shard.samples,
+                tokens=shard.tokens,
+            )
+        )
+    session.add_all(
+        Rejection(
+            job_id=unit.job_id, unit_id=unit.id, sample_index=r.sample_index, reason=r.reason, detail=r.detail
+        )
+        for r in rejections
+    )
+    session.execute(
+        update(Job)
+        .where(Job.id == unit.job_id)
+        .values(
+            samples_done=Job.samples_done + samples_done,
+            samples_rejected=Job.samples_rejected + len(rejections),
+            tokens_done=Job.tokens_done + tokens,
+            units_done=Job.units_done + 1,
+            updated_at=utcnow(),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return True
+
+
+def unit_counts(session: Session, job_id: str) -> dict[str, int]:
+    rows = session.execute(
+        select(WorkUnit.state, func.count()).where(WorkUnit.job_id == job_id).group_by(WorkUnit.state)
+    ).all()
+    return {state: int(n) for state, n in rows}
+
+
+def live_lease_count(session: Session, job_id: str, now: float) -> int:
+    return int(
+        session.scalar(
+            select(func.count())
+            .select_from(WorkUnit)
+            .where(
+                WorkUnit.job_id == job_id,
+                WorkUnit.state == UnitState.leased.value,
+                WorkUnit.lease_expires >= now,
+            )
+        )
+        or 0
+    )
+
+
+def claimable_count(session: Session, job_id: str, now: float) -> int:
+    return int(
+        session.scalar(
+            select(func.count()).select_from(WorkUnit).where(WorkUnit.job_id == job_id, _claimable(now))
+        )
+        or 0
+    )
+
+
+def leased_units(session: Session, job_id: str) -> list[WorkUnit]:
+    return list(
+        session.scalars(
+            select(WorkUnit).where(WorkUnit.job_id == job_id, WorkUnit.state == UnitState.leased.value)
+        ).all()
+    )
+
+
+# --- shards and rejections --------------------------------------------------------------------------------
+
+
+def list_shards(session: Session, job_id: str) -> list[Shard]:
+    return list(
+        session.scalars(
+            select(Shard)
+            .join(WorkUnit, Shard.unit_id == WorkUnit.id)
+            .where(Shard.job_id == job_id)
+            .order_by(WorkUnit.unit_index)
+        ).all()
+    )
+
+
+def list_rejections(session: Session, job_id: str, limit: int, offset: int) -> tuple[list[Rejection], int]:
+    rows = session.scalars(
+        select(Rejection)
+        .where(Rejection.job_id == job_id)
+        .order_by(Rejection.sample_index)
+        .limit(limit)
+        .offset(offset)
+    ).all()
+    total = session.scalar(select(func.count()).select_from(Rejection).where(Rejection.job_id == job_id))
+    return list(rows), int(total or 0)
+
+
+def rejection_counts(session: Session, job_id: str) -> dict[str, int]:
+    rows = session.execute(
+        select(Rejection.reason, func.count()).where(Rejection.job_id == job_id).group_by(Rejection.reason)
+    ).all()
+    return {reason: int(n) for reason, n in rows}

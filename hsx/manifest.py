@@ -1,0 +1,169 @@
+"""The manifest of a job's output directory: what was captured, how, and which shards hold it.
+
+``<output_dir>/manifest.json`` lists every shard by a path relative to that directory, with its sha256, so
+the directory can be moved or copied as a whole. It is written through a rename, so a reader sees either
+the previous manifest or the new one. Format: docs/format.md. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from hsx.contract import LAYER_CONVENTION
+
+SCHEMA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+# The shard's state tensors use safetensors dtype names, so the manifest does too (no aliases here).
+STATE_DTYPES = ("BF16", "F16", "F32")
+
+
+class ManifestError(Exception):
+    """The manifest is missing, unreadable, of another schema version, or inconsistent."""
+
+
+@dataclass
+class ModelInfo:
+    path: str
+    num_layers: int
+    hidden_size: int
+    dtype: str
+
+
+@dataclass
+class Counts:
+    samples: int = 0
+    rejected: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class ShardEntry:
+    path: str  # relative to the manifest's directory, with forward slashes
+    sha256: str
+    bytes: int
+    samples: int
+    tokens: int
+
+
+def relative_shard_path(manifest_dir: Path, shard_path: Path) -> str:
+    """``shard_path`` as the manifest records it; refuses a shard outside ``manifest_dir``."""
+    try:
+        relative = Path(shard_path).resolve().relative_to(Path(manifest_dir).resolve())
+    except ValueError:
+        raise ManifestError(f"shard {shard_path} lies outside {manifest_dir}") from None
+    return relative.as_posix()
+
+
+def _checked_relative(path: str) -> str:
+    pure = PurePosixPath(path)
+    if not path or pure.is_absolute() or ".." in pure.parts or "\\" in path or "\x00" in path:
+        raise ManifestError(f"shard path {path!r} is not a plain relative path")
+    return path
+
+
+def _fsync_dir(path: Path) -> None:
+    # Same as workers.shards.fsync_dir; repeated so this module stays standard-library only.
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except (PermissionError, IsADirectoryError):
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    job_id: str
+    model: ModelInfo
+    tokenizer: dict[str, Any]
+    chat_template_sha256: str
+    aux_layer_ids: list[int]
+    hf_indices: list[int]  # the aux layers' HF indices, then the final state's
+    dtype: str  # safetensors name of the state tensors: BF16, F16 or F32
+    hidden_size: int
+    counts: Counts = field(default_factory=Counts)
+    shards: list[ShardEntry] = field(default_factory=list)
+    layer_convention: str = LAYER_CONVENTION
+    extra: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.dtype not in STATE_DTYPES:
+            raise ManifestError(f"dtype {self.dtype!r} is not one of {STATE_DTYPES} (safetensors names)")
+        if len(self.hf_indices) != len(self.aux_layer_ids) + 1:
+            raise ManifestError("hf_indices must list each aux layer and then the final state")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Manifest:
+        version = raw.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ManifestError(f"manifest schema_version {version!r}, this reader knows {SCHEMA_VERSION}")
+        try:
+            shards = [ShardEntry(**entry) for entry in raw["shards"]]
+            for entry in shards:
+                _checked_relative(entry.path)
+            manifest = cls(
+                job_id=raw["job_id"],
+                model=ModelInfo(**raw["model"]),
+                tokenizer=dict(raw["tokenizer"]),
+                chat_template_sha256=raw["chat_template_sha256"],
+                aux_layer_ids=list(raw["aux_layer_ids"]),
+                hf_indices=list(raw["hf_indices"]),
+                dtype=raw["dtype"],
+                hidden_size=raw["hidden_size"],
+                counts=Counts(**raw["counts"]),
+                shards=shards,
+                layer_convention=raw["layer_convention"],
+                extra=dict(raw.get("extra", {})),
+                schema_version=version,
+            )
+        except (KeyError, TypeError) as exc:
+            raise ManifestError(f"manifest is missing or has a malformed field: {exc}") from exc
+        return manifest
+
+    def shard_path(self, directory: Path, entry: ShardEntry) -> Path:
+        return Path(directory) / _checked_relative(entry.path)
+
+    def write(self, directory: Path) -> Path:
+        """Write ``manifest.json`` into ``directory`` through a temp file and a rename; return its path."""
+        directory = Path(directory)
+        for entry in self.shards:
+            _checked_relative(entry.path)
+        directory.mkdir(parents=True, exist_ok=True)
+        final = directory / MANIFEST_FILE
+        tmp = directory / f".{MANIFEST_FILE}.{secrets.token_hex(6)}.tmp"
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(directory)
+        return final
+
+    @classmethod
+    def load(cls, directory: Path) -> Manifest:
+        path = Path(directory) / MANIFEST_FILE
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ManifestError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        except ValueError as exc:
+            raise ManifestError(f"{path} is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ManifestError(f"{path} does not hold a JSON object")
+        return cls.from_dict(raw)

@@ -1,0 +1,245 @@
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from workers import dataset
+from workers.dataset import DatasetError, SampleError
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+SAMPLE_CHATS = DATA / "sample_chats.jsonl"
+BAD_CHATS = DATA / "bad_chats.jsonl"
+
+# What data/bad_chats.jsonl holds, by sample index (its blank line is not a sample).
+BAD_CHATS_EXPECTED: list[str | None] = [
+    None,
+    dataset.MALFORMED_JSON,
+    dataset.NO_ASSISTANT_TURN,
+    dataset.UNKNOWN_ROLE,
+    dataset.NON_STRING_CONTENT,
+    None,
+    dataset.EMPTY_CONVERSATION,
+    dataset.UNKNOWN_FORMAT,
+    None,
+]
+
+
+def _write_lines(path: Path, lines: list[str], newline: str = "\n") -> Path:
+    path.write_bytes(newline.join(lines).encode("utf-8") + newline.encode())
+    return path
+
+
+def _chat(user: str, answer: str) -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+
+def test_sample_chats_are_all_valid_messages_records() -> None:
+    assert dataset.count_samples(SAMPLE_CHATS) == 24
+    samples = list(dataset.iter_samples(SAMPLE_CHATS, 0, 1000))
+    assert [index for index, _ in samples] == list(range(24))
+    for _, sample in samples:
+        assert isinstance(sample, list)
+        assert any(message["role"] == "assistant" for message in sample)
+        assert all(set(message) == {"role", "content"} for message in sample)
+    summary = dataset.validate_dataset_file(SAMPLE_CHATS, max_bytes=1 << 20)
+    assert summary == dataset.DatasetSummary(24, SAMPLE_CHATS.stat().st_size, "messages", "jsonl")
+
+
+def test_bad_records_become_per_sample_errors_at_stable_indices() -> None:
+    assert dataset.count_samples(BAD_CHATS) == len(BAD_CHATS_EXPECTED)
+    samples = dict(dataset.iter_samples(BAD_CHATS, 0, 100))
+    assert sorted(samples) == list(range(len(BAD_CHATS_EXPECTED)))
+    for index, expected in enumerate(BAD_CHATS_EXPECTED):
+        sample = samples[index]
+        if expected is None:
+            assert isinstance(sample, list), (index, sample)
+        else:
+            assert isinstance(sample, SampleError), (index, sample)
+            assert sample.reason == expected
+            assert sample.detail
+    # The good record after the blank line keeps its place: it is the 6th sample, not the 7th line.
+    good = samples[5]
+    assert isinstance(good, list) and good[0]["content"] == "Name a prime number greater than 10."
+
+
+def test_sub_ranges_match_the_full_read_with_and_without_an_index() -> None:
+    everything = list(dataset.iter_samples(BAD_CHATS, 0, 100))
+    index = dataset.build_line_index(BAD_CHATS)
+    assert len(index) == len(everything)
+    for start in range(len(everything) + 2):
+        for end in range(start, len(everything) + 3):
+            expected = everything[start:end]
+            assert list(dataset.iter_samples(BAD_CHATS, start, end)) == expected
+            assert list(dataset.iter_samples(BAD_CHATS, start, end, line_index=index)) == expected
+
+
+def test_line_index_points_at_each_record(tmp_path: Path) -> None:
+    path = _write_lines(
+        tmp_path / "d.jsonl", [json.dumps(_chat("a", "b")), "   ", json.dumps(_chat("c", "d"))], "\r\n"
+    )
+    index = dataset.build_line_index(path)
+    blob = path.read_bytes()
+    assert [blob[offset : offset + 1] for offset in index] == [b"{", b"{"]
+    assert index[1] == blob.index(b'{"messages"', 1)
+
+
+def test_bad_range_is_refused() -> None:
+    with pytest.raises(ValueError):
+        list(dataset.iter_samples(BAD_CHATS, -1, 3))
+    with pytest.raises(ValueError):
+        list(dataset.iter_samples(BAD_CHATS, 4, 3))
+
+
+def test_line_index_saves_loads_and_goes_stale(tmp_path: Path) -> None:
+    path = _write_lines(tmp_path / "d.jsonl", [json.dumps(_chat(f"q{i}", f"a{i}")) for i in range(5)])
+    index = dataset.build_line_index(path)
+    index_path = tmp_path / "d.lidx"
+    dataset.save_line_index(index, index_path, path)
+    assert dataset.load_line_index(index_path, path) == index
+    assert index_path.stat().st_size == 8 + 32 + 8 * len(index)
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
+
+    with open(path, "ab") as fh:
+        fh.write(json.dumps(_chat("late", "addition")).encode() + b"\n")
+    os.utime(path, ns=(1, 1))  # a changed size alone makes it stale; a changed mtime too
+    assert dataset.load_line_index(index_path, path) is None
+    index_path.write_bytes(b"garbage")
+    assert dataset.load_line_index(index_path, path) is None
+    assert dataset.load_line_index(tmp_path / "missing.lidx", path) is None
+
+
+def test_cached_line_index_builds_once_and_reuses(tmp_path: Path) -> None:
+    path = _write_lines(tmp_path / "d.jsonl", [json.dumps(_chat(f"q{i}", f"a{i}")) for i in range(3)])
+    cache = tmp_path / "cache"
+    first = dataset.cached_line_index(path, cache)
+    assert first == dataset.build_line_index(path)
+    stored = list(cache.iterdir())
+    assert len(stored) == 1
+    mtime = stored[0].stat().st_mtime_ns
+    assert dataset.cached_line_index(path, cache) == first
+    assert stored[0].stat().st_mtime_ns == mtime
+
+
+def test_sharegpt_records_are_normalized(tmp_path: Path) -> None:
+    record = {
+        "conversations": [
+            {"from": "system", "value": "Be kind."},
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello"},
+        ]
+    }
+    path = _write_lines(tmp_path / "s.jsonl", [json.dumps(record), json.dumps(_chat("x", "y"))])
+    [(_, sharegpt), (_, messages)] = list(dataset.iter_samples(path, 0, 2))
+    assert sharegpt == [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+    ]
+    assert messages == [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    assert dataset.validate_dataset_file(path, 1 << 20).format_guess == "mixed"
+
+    # A forced format refuses records of the other one instead of guessing.
+    [(_, forced)] = list(dataset.iter_samples(path, 0, 1, record_format="messages"))
+    assert isinstance(forced, SampleError) and forced.reason == dataset.WRONG_SHAPE
+    [(_, forced)] = list(dataset.iter_samples(path, 1, 2, record_format="sharegpt"))
+    assert isinstance(forced, SampleError) and forced.reason == dataset.WRONG_SHAPE
+
+
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        ([1, 2], dataset.WRONG_SHAPE),
+        ({"messages": "hello"}, dataset.WRONG_SHAPE),
+        ({"messages": ["hello"]}, dataset.WRONG_SHAPE),
+        ({"messages": [{"role": "user"}]}, dataset.NON_STRING_CONTENT),
+        ({"messages": [{"role": "assistant", "content": None}]}, dataset.NON_STRING_CONTENT),
+        ({"messages": [{"content": "x"}]}, dataset.UNKNOWN_ROLE),
+        ({"conversations": [{"from": "bot", "value": "x"}]}, dataset.UNKNOWN_ROLE),
+        ({"conversations": []}, dataset.EMPTY_CONVERSATION),
+        ({"conversations": [{"from": "human", "value": "only me"}]}, dataset.NO_ASSISTANT_TURN),
+        ({"text": "plain"}, dataset.UNKNOWN_FORMAT),
+    ],
+)
+def test_wrong_shapes_are_named(record: object, reason: str) -> None:
+    result = dataset.normalize_record(record)
+    assert isinstance(result, SampleError)
+    assert result.reason == reason
+
+
+def test_undecodable_and_deeply_nested_lines_are_malformed_samples(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(
+        b'{"messages": "\xff\xfe"}\n' + b"[" * 200_000 + b"\n" + json.dumps(_chat("a", "b")).encode()
+    )
+    results = list(dataset.iter_samples(path, 0, 10))
+    assert [index for index, _ in results] == [0, 1, 2]
+    assert [getattr(sample, "reason", None) for _, sample in results] == [
+        dataset.MALFORMED_JSON,
+        dataset.MALFORMED_JSON,
+        None,
+    ]
+
+
+def test_byte_order_mark_and_crlf(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(_chat("a", "b")).encode() + b"\r\n\r\n \t\r\n")
+    assert dataset.count_samples(path) == 1
+    [(_, sample)] = list(dataset.iter_samples(path, 0, 5))
+    assert isinstance(sample, list)
+    index = dataset.build_line_index(path)
+    assert index == [3]
+    assert list(dataset.iter_samples(path, 0, 5, line_index=index)) == [(0, sample)]
+
+
+def test_json_array_files(tmp_path: Path) -> None:
+    records = [_chat("a", "b"), {"messages": []}, _chat("c", "d")]
+    path = tmp_path / "d.json"
+    path.write_text("  \n" + json.dumps(records, indent=2), encoding="utf-8")
+    assert dataset.detect_layout(path) == "json_array"
+    assert dataset.count_samples(path) == 3
+    results = list(dataset.iter_samples(path, 1, 10))
+    assert [index for index, _ in results] == [1, 2]
+    assert isinstance(results[0][1], SampleError) and results[0][1].reason == dataset.EMPTY_CONVERSATION
+    summary = dataset.validate_dataset_file(path, 1 << 20)
+    assert (summary.samples, summary.layout, summary.format_guess) == (3, "json_array", "messages")
+    assert dataset.cached_line_index(path, tmp_path / "cache") is None
+    with pytest.raises(DatasetError) as caught:
+        dataset.build_line_index(path)
+    assert caught.value.reason == dataset.FILE_NOT_INDEXABLE
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"", dataset.FILE_EMPTY),
+        (b"\n  \n\t\n", dataset.FILE_EMPTY),
+        (b"user: hi\nassistant: hello\n", dataset.FILE_NOT_JSON_LINES),
+        (b"[1, 2, 3]\n", dataset.FILE_NOT_JSON_LINES),
+        (b"[1, 2", dataset.FILE_NOT_JSON_LINES),
+        (b'{"prompt": "a", "completion": "b"}\n', dataset.FILE_UNRECOGNIZED_FORMAT),
+    ],
+)
+def test_validation_refuses_unusable_files(tmp_path: Path, content: bytes, reason: str) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DatasetError) as caught:
+        dataset.validate_dataset_file(path, max_bytes=1 << 20)
+    assert caught.value.reason == reason
+
+
+def test_validation_refuses_large_and_missing_files(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError) as caught:
+        dataset.validate_dataset_file(SAMPLE_CHATS, max_bytes=100)
+    assert caught.value.reason == dataset.FILE_TOO_LARGE
+    with pytest.raises(DatasetError) as caught:
+        dataset.validate_dataset_file(tmp_path / "absent.jsonl", max_bytes=100)
+    assert caught.value.reason == dataset.FILE_NOT_FOUND
+
+
+def test_validation_accepts_a_file_whose_first_records_are_partly_broken() -> None:
+    summary = dataset.validate_dataset_file(BAD_CHATS, max_bytes=1 << 20)
+    assert summary.samples == len(BAD_CHATS_EXPECTED)
+    assert summary.format_guess == "messages"

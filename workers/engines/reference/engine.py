@@ -1,0 +1,345 @@
+"""The model, the prefix cache and the hidden-state capture of the reference engine."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from hsx import contract
+
+log = logging.getLogger(__name__)
+
+BACKEND = "reference"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# safetensors names of the dtypes a dump can hold
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK_"
+
+# One layer's cached attention keys and values, each [1, kv_heads, tokens, head_dim].
+KvLayers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class RequestRejected(Exception):
+    """A request the engine refuses; the server answers it with HTTP 400."""
+
+    def __init__(self, error: str, detail: str) -> None:
+        super().__init__(f"{error}: {detail}")
+        self.error = error
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    dump_dir: str
+    aux_layer_ids: list[int] | None = None  # None: the EAGLE-3 default for the model's depth
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    prefix_cache: bool = True
+    max_cached_prompts: int = 32
+    device: str | None = None  # None: CUDA when available
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    rid: str
+    output_id: int
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    dumped: bool
+
+
+@dataclass
+class _CacheEntry:
+    namespace: str | None
+    input_ids: tuple[int, ...]
+    kv: KvLayers = field(repr=False)
+
+
+class PrefixCache:
+    """The attention caches of recent prompts, reused for later prompts that share a prefix (LRU).
+
+    A stand-in for SGLang's radix cache with the same observable behaviour: a hit skips the shared prefix,
+    always leaves at least one token to compute, and only matches within the same ``extra_key`` namespace.
+    """
+
+    def __init__(self, max_prompts: int) -> None:
+        if max_prompts < 1:
+            raise ValueError("max_prompts must be at least 1")
+        self.max_prompts = max_prompts
+        self._entries: OrderedDict[int, _CacheEntry] = OrderedDict()
+        self._next_key = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def longest_prefix(self, namespace: str | None, input_ids: Sequence[int]) -> tuple[int, KvLayers]:
+        """The longest reusable prefix (at most ``len - 1`` tokens) and its keys and values, cropped."""
+        limit = len(input_ids) - 1
+        best_key, best_len = -1, 0
+        for key, entry in self._entries.items():
+            if entry.namespace != namespace:
+                continue
+            shared = _shared_prefix_length(entry.input_ids, input_ids, limit)
+            if shared > best_len:
+                best_key, best_len = key, shared
+        if best_len == 0:
+            return 0, []
+        self._entries.move_to_end(best_key)
+        entry = self._entries[best_key]
+        return best_len, [(keys[:, :, :best_len], values[:, :, :best_len]) for keys, values in entry.kv]
+
+    def insert(self, namespace: str | None, input_ids: Sequence[int], kv: KvLayers) -> None:
+        ids = tuple(input_ids)
+        # An entry whose prompt is a prefix of this one can serve nothing this one cannot.
+        covered = [
+            key
+            for key, entry in self._entries.items()
+            if entry.namespace == namespace and ids[: len(entry.input_ids)] == entry.input_ids
+        ]
+        for key in covered:
+            del self._entries[key]
+        self._entries[self._next_key] = _CacheEntry(namespace, ids, kv)
+        self._next_key += 1
+        while len(self._entries) > self.max_prompts:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _shared_prefix_length(cached: Sequence[int], prompt: Sequence[int], limit: int) -> int:
+    length = min(len(cached), len(prompt), limit)
+    for position in range(length):
+        if cached[position] != prompt[position]:
+            return position
+    return length
+
+
+class ReferenceEngine:
+    """Runs prefill forwards one at a time and dumps the captured hidden states of hsx requests."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype_name = config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        if dtype_name not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype_name!r}; choose one of {sorted(DTYPES)}")
+        self.dtype_name = dtype_name
+        self.dtype = DTYPES[dtype_name]
+        self.model = self._load_model(config.model_dir)
+        model_config = self.model.config
+        self.num_layers = int(model_config.num_hidden_layers)
+        self.hidden_size = int(model_config.hidden_size)
+        self.vocab_size = int(model_config.vocab_size)
+        self.max_positions = int(getattr(model_config, "max_position_embeddings", 0) or 0)
+        self.aux_layer_ids = list(
+            config.aux_layer_ids
+            if config.aux_layer_ids is not None
+            else contract.eagle3_aux_layer_ids(self.num_layers)
+        )
+        self.hf_indices = contract.hf_indices(self.aux_layer_ids, self.num_layers)
+        self.prefix_cache = PrefixCache(config.max_cached_prompts) if config.prefix_cache else None
+        self._cache_kwarg = _cache_kwarg_name(self.model)
+        self._forward_lock = threading.Lock()
+        self._inflight_lock = threading.Lock()
+        self._inflight: set[str] = set()
+        os.makedirs(config.dump_dir, exist_ok=True)
+
+    def _load_model(self, model_dir: Path) -> PreTrainedModel:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype, local_files_only=True)
+        # Through nn.Module: transformers wraps these methods in ways type checkers cannot follow.
+        torch.nn.Module.to(model, self.device)
+        torch.nn.Module.eval(model)
+        return model
+
+    # --- public API ---------------------------------------------------------------------------------
+
+    def info(self) -> contract.EngineInfo:
+        return contract.EngineInfo(
+            backend=BACKEND,
+            model_path=str(self.config.model_dir),
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            dtype=self.dtype_name,
+            aux_layer_ids=list(self.aux_layer_ids),
+            hf_indices=list(self.hf_indices),
+            dump_dir=self.config.dump_dir,
+            prefix_cache=self.prefix_cache is not None,
+        )
+
+    def prefill(self, input_ids: Sequence[int], rid: str, extra_key: str | None = None) -> PrefillResult:
+        """Run the prompt forward (reusing a cached prefix when allowed); dump it if the rid is captured."""
+        self._check_input_ids(input_ids)
+        capture = contract.is_captured_rid(rid)
+        if capture:
+            try:
+                contract.dump_path(self.config.dump_dir, rid)
+            except ValueError as exc:
+                raise RequestRejected("bad_rid", str(exc)) from exc
+        with self._claim_rid(rid):
+            return self._prefill_locked(list(input_ids), rid, extra_key, capture, remember=True)
+
+    def health_generate(self) -> PrefillResult:
+        """A one-token forward outside the capture and the prefix cache, like SGLang's health check."""
+        rid = f"{HEALTH_CHECK_RID_PREFIX}{time.time_ns()}"
+        bos = getattr(self.model.config, "bos_token_id", None)
+        token = bos if isinstance(bos, int) and 0 <= bos < self.vocab_size else 0
+        with self._claim_rid(rid):
+            return self._prefill_locked([token], rid, None, capture=False, remember=False)
+
+    def flush_cache(self) -> None:
+        with self._forward_lock:
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _check_input_ids(self, input_ids: Sequence[int]) -> None:
+        if len(input_ids) == 0:
+            raise RequestRejected("empty_input", "input_ids is empty")
+        if self.max_positions and len(input_ids) > self.max_positions:
+            raise RequestRejected(
+                "too_long", f"{len(input_ids)} tokens exceed the model's {self.max_positions} positions"
+            )
+        for position, token in enumerate(input_ids):
+            if not 0 <= token < self.vocab_size:
+                raise RequestRejected(
+                    "token_out_of_vocab",
+                    f"input_ids[{position}] = {token} is outside the vocabulary [0, {self.vocab_size})",
+                )
+
+    @contextmanager
+    def _claim_rid(self, rid: str) -> Iterator[None]:
+        with self._inflight_lock:
+            if rid in self._inflight:
+                raise RequestRejected("duplicate_rid", f"a request with rid {rid!r} is already in flight")
+            self._inflight.add(rid)
+        try:
+            yield
+        finally:
+            with self._inflight_lock:
+                self._inflight.discard(rid)
+
+    def _prefill_locked(
+        self, input_ids: list[int], rid: str, extra_key: str | None, capture: bool, remember: bool
+    ) -> PrefillResult:
+        with self._forward_lock:
+            reused, past = 0, KvLayers()
+            if self.prefix_cache is not None and remember:
+                reused, past = self.prefix_cache.longest_prefix(extra_key, input_ids)
+            computed_ids = input_ids[reused:]
+            output_id, hidden, kv = self._forward(computed_ids, past)
+            if self.prefix_cache is not None and remember:
+                self.prefix_cache.insert(extra_key, input_ids, kv)
+            if capture:
+                self._write_dump(rid, computed_ids, hidden, prompt_tokens=len(input_ids), cached=reused)
+        return PrefillResult(
+            rid=rid,
+            output_id=output_id,
+            prompt_tokens=len(input_ids),
+            cached_tokens=reused,
+            computed_tokens=len(computed_ids),
+            dumped=capture,
+        )
+
+    def _forward(
+        self, computed_ids: list[int], past: KvLayers
+    ) -> tuple[int, dict[int, torch.Tensor], KvLayers]:
+        """Forward ``computed_ids`` after the cached ``past``: greedy next token, captured states, full KV."""
+        cache = DynamicCache(config=self.model.config)
+        for layer_index, (keys, values) in enumerate(past):
+            # update() concatenates into fresh tensors: the cache entry that lent these slices stays intact.
+            cache.update(keys, values, layer_index)
+        ids = torch.tensor([computed_ids], dtype=torch.long, device=self.device)
+        kwargs: dict[str, Any] = {self._cache_kwarg: cache}
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids, use_cache=True, output_hidden_states=True, logits_to_keep=1, **kwargs
+            )
+        hidden_states = out.hidden_states
+        if hidden_states is None or len(hidden_states) != self.num_layers + 1:
+            got = "none" if hidden_states is None else len(hidden_states)
+            raise RuntimeError(f"model returned {got} hidden states, expected {self.num_layers + 1}")
+        output_id = int(out.logits[0, -1].argmax().item())
+        captured = {index: hidden_states[index][0].detach().to("cpu") for index in self.hf_indices}
+        return output_id, captured, _kv_layers(cache)
+
+    def _write_dump(
+        self,
+        rid: str,
+        computed_ids: list[int],
+        hidden: dict[int, torch.Tensor],
+        prompt_tokens: int,
+        cached: int,
+    ) -> None:
+        directory = contract.dump_path(self.config.dump_dir, rid)
+        # A retried request replaces the earlier dump rather than mixing with it.
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
+        os.makedirs(directory)
+        tensors: list[tuple[str, str, Sequence[int], bytes]] = [
+            (
+                "input_ids",
+                "I32",
+                [len(computed_ids)],
+                tensor_bytes(torch.tensor(computed_ids, dtype=torch.int32)),
+            )
+        ]
+        safetensors_dtype = SAFETENSORS_DTYPES[self.dtype]
+        for index in self.hf_indices:
+            state = hidden[index]
+            tensors.append(
+                (contract.tensor_name(index), safetensors_dtype, list(state.shape), tensor_bytes(state))
+            )
+        contract.write_safetensors(os.path.join(directory, contract.STATES_FILE), tensors)
+        meta = contract.DumpMeta(
+            rid=rid,
+            num_tokens=len(computed_ids),
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached,
+            hidden_size=self.hidden_size,
+            dtype=self.dtype_name,
+            num_layers=self.num_layers,
+            aux_layer_ids=list(self.aux_layer_ids),
+            hf_indices=list(self.hf_indices),
+            engine=BACKEND,
+            extra={"model_path": str(self.config.model_dir)},
+        )
+        contract.write_meta_atomically(directory, meta)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """Raw little-endian bytes (the hosts hsx runs on are little-endian); bf16 as its 2-byte words."""
+    tensor = tensor.contiguous()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    data: bytes = tensor.numpy().tobytes()
+    return data
+
+
+def _kv_layers(cache: DynamicCache) -> KvLayers:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer.keys, layer.values) for layer in layers]
+    # transformers before 4.56 kept the tensors in two parallel lists
+    return list(zip(getattr(cache, "key_cache"), getattr(cache, "value_cache"), strict=True))  # noqa: B009
+
+
+def _cache_kwarg_name(model: PreTrainedModel) -> str:
+    # transformers 5 renamed past_key_values to cache; the old name still works there but warns.
+    parameters = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"

@@ -1,0 +1,53 @@
+"""Keeps a unit's lease alive from a background thread and notices when it is lost or the job is stopped."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from hsx.db.models import JobState
+from hsx.db.session import session_scope
+from hsx.jobs import repository as repo
+from hsx.jobs.repository import ClaimedUnit
+
+log = logging.getLogger(__name__)
+
+
+class LeaseKeeper:
+    def __init__(self, db_url: str, unit: ClaimedUnit, lease_seconds: float, interval: float) -> None:
+        self.db_url = db_url
+        self.unit = unit
+        self.lease_seconds = lease_seconds
+        self.interval = interval
+        self.lost = threading.Event()
+        self.job_stopped = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"lease-{unit.id}", daemon=True)
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval + 5)
+
+    @property
+    def should_stop(self) -> bool:
+        return self.lost.is_set() or self.job_stopped.is_set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                with session_scope(self.db_url) as session:
+                    if not repo.extend_lease(session, self.unit, self.lease_seconds, time.time()):
+                        log.warning("lease on unit %s attempt %s lost", self.unit.id, self.unit.attempt)
+                        self.lost.set()
+                        return
+                    state = repo.job_state(session, self.unit.job_id)
+                if state != JobState.running.value:
+                    self.job_stopped.set()
+                    return
+            except Exception as exc:  # noqa: BLE001 - a database blip is retried; the commit fence decides
+                log.warning("heartbeat for unit %s failed: %s", self.unit.id, exc)

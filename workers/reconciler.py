@@ -1,0 +1,131 @@
+"""The safety net behind RQ: the job table says what is left, so whatever Redis lost, a crashed worker
+left behind or a finished-but-not-closed job is found and set right here. Every action is idempotent, so
+any number of workers may run it at once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from hsx.contract import RID_PREFIX
+from hsx.db.models import JobState
+from hsx.db.session import session_scope
+from hsx.jobs import repository as repo
+from hsx.jobs.finalize import finalize_if_complete
+from hsx.jobs.queue import enqueue_wakeups, queued_wakeups
+from hsx.settings import Settings
+
+log = logging.getLogger(__name__)
+
+STALE_DUMP_SECONDS = 600.0
+STALE_TEMP_SECONDS = 60.0
+
+
+def expire_leases_of(db_url: str, owner: str) -> int:
+    """A work horse died: its leases end now instead of at their expiry."""
+    from sqlalchemy import update
+
+    from hsx.db.models import UnitState, WorkUnit
+
+    with session_scope(db_url) as session:
+        result = session.execute(
+            update(WorkUnit)
+            .where(WorkUnit.lease_owner == owner, WorkUnit.state == UnitState.leased.value)
+            .values(lease_expires=0.0)
+        )
+        return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, int]:
+    now = time.time() if now is None else now
+    db_url = settings.resolved_database_url
+    stats = {"woken": 0, "finalized": 0, "temp_removed": 0, "dumps_removed": 0}
+    with session_scope(db_url) as session:
+        job_ids = repo.active_job_ids(session)
+    for job_id in job_ids:
+        with session_scope(db_url) as session:
+            job = repo.get_job(session, job_id)
+            if job is None:
+                continue
+            state, output_dir = job.state, job.output_dir
+            claimable = repo.claimable_count(session, job_id, now)
+            live = repo.live_lease_count(session, job_id, now)
+            leased = {(u.unit_index, u.attempt) for u in repo.leased_units(session, job_id)}
+        if (
+            state == JobState.running.value
+            and claimable == 0
+            and live == 0
+            and finalize_if_complete(db_url, job_id)
+        ):
+            stats["finalized"] += 1
+            continue
+        idle = (claimable and live == 0) or state == JobState.queued.value
+        # Nobody is working on it and nothing in Redis will wake anyone: Redis lost it, or a worker died.
+        if idle and queued_wakeups(settings, job_id) == 0:
+            stats["woken"] += enqueue_wakeups(settings, job_id, 1)
+        stats["temp_removed"] += _remove_stale_temp(Path(output_dir), leased, now)
+    stats["dumps_removed"] += _remove_stale_dumps(settings.resolved_dump_dir, now)
+    return stats
+
+
+def _remove_stale_temp(output_dir: Path, live: set[tuple[int, int]], now: float) -> int:
+    """Staged shards of attempts that no longer hold their unit, and writers' temp files, once old."""
+    if not output_dir.is_dir():
+        return 0
+    removed = 0
+    for path in output_dir.iterdir():
+        name = path.name
+        if not (name.endswith(".staged") or ".tmp" in name):
+            continue
+        if name.endswith(".staged"):
+            try:
+                unit_part, attempt_part = name[len(".shard-") :].split(".")[:2]
+                if (int(unit_part), int(attempt_part[1:])) in live:
+                    continue
+            except ValueError:
+                pass
+        try:
+            if now - path.stat().st_mtime > STALE_TEMP_SECONDS:
+                path.unlink()
+                removed += 1
+        except FileNotFoundError:
+            continue
+    return removed
+
+
+def _remove_stale_dumps(dump_dir: str, now: float) -> int:
+    removed = 0
+    try:
+        entries = list(os.scandir(dump_dir))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        if not entry.name.startswith(RID_PREFIX):
+            continue
+        try:
+            if now - entry.stat().st_mtime > STALE_DUMP_SECONDS:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed += 1
+        except FileNotFoundError:
+            continue
+    return removed
+
+
+class ReconcilerThread(threading.Thread):
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(name="hsx-reconciler", daemon=True)
+        self.settings = settings
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.settings.reconcile_seconds):
+            try:
+                stats = reconcile_once(self.settings)
+                if any(stats.values()):
+                    log.info("reconciler: %s", stats)
+            except Exception as exc:  # noqa: BLE001 - a pass that fails is retried at the next interval
+                log.warning("reconciler pass failed: %s", exc)
