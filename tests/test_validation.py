@@ -120,6 +120,10 @@ def rewrite_dump(
 ) -> None:
     """Copy a real dump with its states replaced (the engine cannot be made to emit NaN or bf16 here)."""
     shutil.copytree(source, target)
+    meta = contract.DumpMeta.from_json((Path(source) / contract.META_FILE).read_text())
+    meta.rid = Path(target).name
+    meta.dtype = "bfloat16" if dtype == "BF16" else "float32"
+    contract.write_meta_atomically(target, meta)
     original = contract.read_safetensors(str(Path(source) / contract.STATES_FILE))
     tensors = [("input_ids", "I32", original["input_ids"].shape, original["input_ids"].data)]
     tensors += [
@@ -159,6 +163,16 @@ def test_bf16_words_widen_to_float32() -> None:
     values = np.array([1.0, -2.5, 3.140625, 0.0, -0.0, np.inf, 65280.0], dtype=np.float32)
     np.testing.assert_array_equal(as_float32(to_bf16_words(values), "BF16"), values)
     assert as_float32(values, "F32") is not None
+
+
+def test_a_dump_under_the_wrong_rid_is_corrupt(
+    engine_nocache: RunningEngine, clean: tuple[list[int], str], tmp_path: Path
+) -> None:
+    _, rid = clean
+    impostor = captured_rid("impostor")
+    shutil.copytree(contract.dump_path(engine_nocache.dump_dir, rid), tmp_path / impostor)
+    with pytest.raises(DumpCorrupt, match="holds the meta of"):
+        read_dump(str(tmp_path), impostor, wait_seconds=1)
 
 
 def test_missing_dump_times_out(engine_nocache: RunningEngine) -> None:

@@ -194,6 +194,8 @@ def read_dump(dump_dir: str, rid: str, wait_seconds: float) -> Dump:
         tensors = contract.read_safetensors(os.path.join(directory, contract.STATES_FILE))
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise DumpCorrupt(f"dump of {rid} is unreadable: {exc}") from exc
+    if meta.rid != rid:
+        raise DumpCorrupt(f"dump directory of {rid} holds the meta of {meta.rid}")
     if "input_ids" not in tensors:
         raise DumpCorrupt(f"dump of {rid} has no input_ids tensor")
     input_ids = _to_numpy("input_ids", tensors["input_ids"]).astype(np.int32, copy=False)

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 class HsxWorker(Worker):
     def handle_work_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
-        super().handle_work_horse_killed(job, retpid, ret_val, rusage)
+        super().handle_work_horse_killed(job, retpid, ret_val, rusage)  # type: ignore[no-untyped-call]
         owner = f"{socket.gethostname()}:{retpid}"
         try:
             n = expire_leases_of(get_settings().resolved_database_url, owner)

@@ -40,7 +40,7 @@ class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dataset_uri: str = Field(min_length=1, max_length=4096)
-    options: JobOptions = Field(default_factory=JobOptions)
+    options: JobOptions = Field(default_factory=lambda: JobOptions())
     idempotency_key: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:\-]+$")
 
 

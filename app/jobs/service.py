@@ -150,7 +150,7 @@ class JobService:
         manifest = Path(job.output_dir) / MANIFEST_NAME
         return schemas.JobOut(
             id=job.id,
-            state=job.state,  # type: ignore[arg-type]
+            state=job.state,
             dataset_uri=job.dataset_uri,
             options=schemas.JobOptions.model_validate(job.options),
             progress=self.progress(job),
@@ -168,7 +168,7 @@ class JobService:
     def summary(self, job: Job) -> schemas.JobSummary:
         return schemas.JobSummary(
             id=job.id,
-            state=job.state,  # type: ignore[arg-type]
+            state=job.state,
             dataset_uri=job.dataset_uri,
             progress=self.progress(job),
             error=job.error,

@@ -38,7 +38,7 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
                 dtype=str(engine.get("dtype", "")),
             ),
             tokenizer=dict(engine.get("tokenizer", {})),
-            chat_template_sha256=engine.get("chat_template_sha256"),
+            chat_template_sha256=str(engine.get("chat_template_sha256", "")),
             aux_layer_ids=list(engine.get("aux_layer_ids", [])),
             hf_indices=list(engine.get("hf_indices", [])),
             dtype=str(engine.get("state_dtype", "")),
