@@ -110,7 +110,9 @@ def check_dumps(
             with open(os.path.join(d, contract.META_FILE)) as fh:
                 meta = contract.DumpMeta.from_json(fh.read())
             T = len(ids)
-            assert meta.num_tokens == T == meta.prompt_tokens, f"tokens {meta.num_tokens}/{meta.prompt_tokens}/{T}"
+            assert meta.num_tokens == T == meta.prompt_tokens, (
+                f"tokens {meta.num_tokens}/{meta.prompt_tokens}/{T}"
+            )
             assert meta.cached_tokens == 0, f"cached {meta.cached_tokens}"
             assert meta.hf_indices == hf, f"hf {meta.hf_indices}"
             path = os.path.join(d, contract.STATES_FILE)
@@ -132,7 +134,11 @@ def check_dumps(
 
 
 def run_round(
-    client: Client, prompts: list[list[int]], concurrency: int, prefix: str, dump_dir: str | None,
+    client: Client,
+    prompts: list[list[int]],
+    concurrency: int,
+    prefix: str,
+    dump_dir: str | None,
     extra_key: bool = False,
 ) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:8]
@@ -166,7 +172,13 @@ def run_round(
 
 
 def bench(
-    url: str, dump_dir: str, num_prompts: int, prompt_len: int, concurrency: int, rounds: int, seed: int = 7,
+    url: str,
+    dump_dir: str,
+    num_prompts: int,
+    prompt_len: int,
+    concurrency: int,
+    rounds: int,
+    seed: int = 7,
     extra_key: bool = False,
 ) -> dict[str, Any]:
     """``extra_key``: a distinct cache namespace per request (what the worker sends), so that repeated
@@ -181,8 +193,14 @@ def bench(
     w = run_round(client, warm, concurrency, contract.RID_PREFIX + "warm-", dump_dir, extra_key)
     for r in w["rids"]:
         shutil.rmtree(os.path.join(dump_dir, r), ignore_errors=True)
-    out: dict[str, Any] = {"num_prompts": num_prompts, "prompt_len": prompt_len, "concurrency": concurrency,
-                           "extra_key": extra_key, "info": info, "rounds": []}
+    out: dict[str, Any] = {
+        "num_prompts": num_prompts,
+        "prompt_len": prompt_len,
+        "concurrency": concurrency,
+        "extra_key": extra_key,
+        "info": info,
+        "rounds": [],
+    }
     for _ in range(rounds):
         plain = run_round(client, prompts, concurrency, "plain-", None, extra_key)
         cap = run_round(client, prompts, concurrency, contract.RID_PREFIX + "bench-", dump_dir, extra_key)
@@ -220,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-key", action="store_true", help="a distinct extra_key per request")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
-    res = bench(a.url, a.dump_dir, a.num_prompts, a.prompt_len, a.concurrency, a.rounds, extra_key=a.extra_key)
+    res = bench(
+        a.url, a.dump_dir, a.num_prompts, a.prompt_len, a.concurrency, a.rounds, extra_key=a.extra_key
+    )
     text = json.dumps(res, indent=1)
     if a.out:
         with open(a.out, "w") as fh:

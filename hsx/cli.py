@@ -124,7 +124,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from hsx.verify import run_verification
 
     settings = get_settings()
-    report = run_verification(args.engine_url or settings.engine_url, args.dump_dir or settings.dump_dir or None)
+    report = run_verification(
+        args.engine_url or settings.engine_url, args.dump_dir or settings.dump_dir or None
+    )
     doc = report.to_dict()
     if args.reference and report.ok:
         from workers.reference_check import reference_checks
@@ -139,7 +141,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from hsx.demo import run_demo
 
-    return run_demo(args.dataset, keep_running=False)
+    return run_demo(
+        args.dataset,
+        engine_urls=args.engine_url or None,
+        samples_per_shard=args.samples_per_shard,
+        repeat=args.repeat,
+        timeout=args.timeout,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run a real extraction job end to end on the embedded defaults")
     p.add_argument("--dataset", default="data/sample_chats.jsonl")
+    p.add_argument(
+        "--engine-url", action="append", help="use this running engine (repeatable: one worker each)"
+    )
+    p.add_argument("--samples-per-shard", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=1, help="repeat the dataset this many times")
+    p.add_argument("--timeout", type=float, default=1800)
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -1,8 +1,12 @@
 """``hsx demo``: a real extraction job end to end on the embedded defaults.
 
 It starts what is missing (a local Redis, the reference engine with its prefix cache off, the API and one
-worker), migrates the embedded SQLite job table, submits the sample dataset, waits, reads every shard back
-through the loader, prints the job's final ``GET /jobs/{id}`` document last, and stops what it started.
+worker per engine), migrates the embedded SQLite job table, checks the engine through ``POST /verify``,
+submits the dataset, waits, reads every shard back through the loader, prints the job's final
+``GET /jobs/{id}`` document last, and stops what it started.
+
+With ``--engine-url`` (repeatable) it uses engines that are already running instead, one worker each, all
+sharing one job: that is how the GPU runs use it with patched SGLang servers.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from hsx.local_stack import free_port, hsx_command, local_stack, redis_reachable, wait_http
+from hsx.local_stack import LocalStack, free_port, hsx_command, local_stack, redis_reachable, wait_http
 from hsx.settings import get_settings
 
 
@@ -23,7 +28,32 @@ def _say(msg: str) -> None:
     print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
 
-def run_demo(dataset: str, keep_running: bool = False, timeout: float = 900) -> int:
+def _repeat_dataset(dataset: Path, repeat: int, work: Path) -> Path:
+    if repeat <= 1:
+        return dataset.resolve()
+    rows = [line for line in dataset.read_text().splitlines() if line.strip()]
+    out = work / f"{dataset.stem}.x{repeat}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(rows * repeat) + "\n")
+    return out.resolve()
+
+
+def _start_engines(stack: LocalStack, env: dict[str, str]) -> list[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    _say("starting the reference engine (the first run converts the model, about a minute)")
+    cmd = hsx_command("engine", "--backend", "reference", "--port", str(port), "--disable-prefix-cache")
+    wait_http(f"{url}/health", 900, stack.start("engine", cmd, env))
+    return [url]
+
+
+def run_demo(
+    dataset: str,
+    engine_urls: list[str] | None = None,
+    samples_per_shard: int = 8,
+    repeat: int = 1,
+    timeout: float = 1800,
+) -> int:
     settings = get_settings()
     data_dir = settings.data_dir.resolve()
     env: dict[str, str] = {"HSX_DATA_DIR": str(data_dir), "TOKENIZERS_PARALLELISM": "false"}
@@ -32,68 +62,87 @@ def run_demo(dataset: str, keep_running: bool = False, timeout: float = 900) -> 
         if not redis_reachable(redis_url):
             redis_url = stack.start_redis()
             _say(f"started redis at {redis_url}")
-        env["HSX_REDIS_URL"] = redis_url
-        env["HSX_QUEUE_NAME"] = f"hsx-demo-{os.getpid()}"
-        engine_port, api_port = free_port(), free_port()
-        engine_url, api_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{api_port}"
-        env.update(HSX_ENGINE_URL=engine_url, HSX_API_URL=api_url)
+        env.update(HSX_REDIS_URL=redis_url, HSX_QUEUE_NAME=f"hsx-demo-{os.getpid()}")
         os.environ.update(env)
         get_settings.cache_clear()
 
         from hsx.db.migrate import upgrade
 
         upgrade(get_settings().resolved_database_url)
-        _say("job table migrated; starting the reference engine (first run converts the model, ~1 min)")
-        engine = stack.start(
-            "engine",
-            hsx_command(
-                "engine", "--backend", "reference", "--port", str(engine_port), "--disable-prefix-cache"
-            ),
-            env,
+        _say("job table migrated")
+        urls = engine_urls or _start_engines(stack, env)
+        api_url = f"http://127.0.0.1:{free_port()}"
+        env["HSX_API_URL"] = api_url
+        # The API's /verify checks the first engine; each worker is colocated with its own engine.
+        api = stack.start(
+            "api", hsx_command("api", "--port", api_url.rsplit(":", 1)[1]), {**env, "HSX_ENGINE_URL": urls[0]}
         )
-        wait_http(f"{engine_url}/health", 600, engine)
-        api = stack.start("api", hsx_command("api", "--port", str(api_port)), env)
         wait_http(f"{api_url}/healthz", 60, api)
-        stack.start("worker", hsx_command("worker"), env)
+        for i, url in enumerate(urls):
+            stack.start(f"worker-{i}", hsx_command("worker"), {**env, "HSX_ENGINE_URL": url})
         token = get_settings().token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
 
-        verify = httpx.post(f"{api_url}/verify", headers=headers, timeout=120)
+        verify = httpx.post(f"{api_url}/verify", headers=headers, timeout=300)
         _say(f"POST /verify -> {verify.status_code} ok={verify.json().get('ok')}")
-        body = {"dataset_uri": str(Path(dataset).resolve()), "options": {"samples_per_shard": 8}}
-        resp = httpx.post(f"{api_url}/jobs", json=body, headers=headers, timeout=120)
+        path = _repeat_dataset(Path(dataset), repeat, data_dir / "datasets")
+        body = {"dataset_uri": str(path), "options": {"samples_per_shard": samples_per_shard}}
+        resp = httpx.post(f"{api_url}/jobs", json=body, headers=headers, timeout=300)
         if resp.status_code >= 400:
             _say(f"submit refused: {resp.text}")
             return 1
         job_id = resp.json()["id"]
-        _say(f"job {job_id} submitted")
-        deadline = time.monotonic() + timeout
-        doc: dict[str, object] = {}
-        while time.monotonic() < deadline:
-            doc = httpx.get(f"{api_url}/jobs/{job_id}", headers=headers, timeout=30).json()
-            if doc.get("state") in ("succeeded", "failed", "cancelled"):
-                break
-            time.sleep(1)
+        _say(f"job {job_id} submitted over {path.name}")
+        doc = _wait(api_url, job_id, headers, timeout)
         ok = doc.get("state") == "succeeded" and _check_output(doc)
+        if len(urls) > 1:
+            _say(f"units done per engine: {json.dumps(_units_per_engine(job_id))}")
         print(json.dumps(doc, indent=2, sort_keys=True), flush=True)
         return 0 if ok else 1
 
 
-def _check_output(doc: dict[str, object]) -> bool:
-    """Every sample is in a shard with its full token count, or rejected with a reason."""
+def _wait(api_url: str, job_id: str, headers: dict[str, str], timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        doc: dict[str, Any] = httpx.get(f"{api_url}/jobs/{job_id}", headers=headers, timeout=30).json()
+        p = doc["progress"]
+        line = f"{doc['state']}: {p['samples_done']}+{p['samples_rejected']}/{p['samples_total']} samples"
+        if line != last:
+            _say(line)
+            last = line
+        if doc["state"] in ("succeeded", "failed", "cancelled") or time.monotonic() > deadline:
+            return doc
+        time.sleep(1)
+
+
+def _units_per_engine(job_id: str) -> dict[str, int]:
+    from hsx.db.session import session_scope
+    from hsx.jobs.repository import done_units_by_owner_engine
+
+    with session_scope(get_settings().resolved_database_url) as session:
+        return done_units_by_owner_engine(session, job_id)
+
+
+def _check_output(doc: dict[str, Any]) -> bool:
+    """Every sample is in exactly one shard with its full token count, or rejected with a reason."""
     from hsx.loader import iter_samples
 
     progress = doc["progress"]
-    assert isinstance(progress, dict)
-    seen = 0
+    indices: list[int] = []
     for sample in iter_samples(str(doc["output_dir"])):
-        if len(sample.input_ids) != sample.hidden_state.shape[0] or sample.aux_hidden_state.shape[0] != len(
-            sample.input_ids
+        t = len(sample.input_ids)
+        if not (
+            sample.hidden_state.shape[0] == sample.aux_hidden_state.shape[0] == len(sample.loss_mask) == t
         ):
             _say(f"sample {sample.index}: token count mismatch")
             return False
-        seen += 1
-    total = int(progress["samples_total"])
-    rejected = int(progress["samples_rejected"])
-    _say(f"read back {seen} samples from the shards; {rejected} rejected; {total} in the dataset")
-    return seen + rejected == total and seen == int(progress["samples_done"])
+        indices.append(sample.index)
+    total, rejected = int(progress["samples_total"]), int(progress["samples_rejected"])
+    duplicated = len(indices) - len(set(indices))
+    _say(
+        f"read back {len(indices)} samples ({duplicated} duplicated); {rejected} rejected; {total} in the dataset"
+    )
+    return (
+        duplicated == 0 and len(indices) + rejected == total and len(indices) == int(progress["samples_done"])
+    )

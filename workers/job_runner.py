@@ -82,7 +82,7 @@ class JobRunner:
         self.settings = settings
         self.db_url = settings.resolved_database_url
         self.preflight = preflight
-        self.owner = worker_identity()
+        self.owner = f"{worker_identity()}@{settings.engine_url}"
         self._tokenizer_cache: Any = None
         self.client = EngineClient(
             settings.engine_url, timeout=settings.engine_timeout_seconds, retries=settings.engine_retries

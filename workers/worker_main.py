@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class HsxWorker(Worker):
     def handle_work_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         super().handle_work_horse_killed(job, retpid, ret_val, rusage)  # type: ignore[no-untyped-call]
-        owner = f"{socket.gethostname()}:{retpid}"
+        owner = f"{socket.gethostname()}:{retpid}@{get_settings().engine_url}"  # as JobRunner names it
         try:
             n = expire_leases_of(get_settings().resolved_database_url, owner)
             log.warning("work horse %s died (status %s); released %d lease(s)", retpid, ret_val, n)
@@ -37,6 +37,10 @@ def preload() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers  # noqa: F401
 
+    # Loading any tokenizer imports a model's configuration module, which pulls in transformers' model
+    # machinery (and torch.distributed): seconds of imports that every horse would otherwise pay per unit.
+    import transformers.modeling_utils  # noqa: F401
+    import workers.chat  # noqa: F401
     import workers.job_runner  # noqa: F401
 
 

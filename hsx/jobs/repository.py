@@ -317,3 +317,15 @@ def rejection_counts(session: Session, job_id: str) -> dict[str, int]:
         select(Rejection.reason, func.count()).where(Rejection.job_id == job_id).group_by(Rejection.reason)
     ).all()
     return {reason: int(n) for reason, n in rows}
+
+
+def done_units_by_owner_engine(session: Session, job_id: str) -> dict[str, int]:
+    """Units committed per engine: a lease owner is ``host:pid@engine_url``."""
+    owners = session.scalars(
+        select(WorkUnit.lease_owner).where(WorkUnit.job_id == job_id, WorkUnit.state == UnitState.done.value)
+    ).all()
+    counts: dict[str, int] = {}
+    for owner in owners:
+        engine = (owner or "?").rsplit("@", 1)[-1]
+        counts[engine] = counts.get(engine, 0) + 1
+    return counts

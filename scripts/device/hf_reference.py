@@ -39,10 +39,21 @@ def main(model_dir: str, out: str, lens: str, aux: str) -> None:
             t["input_ids"] = torch.tensor(ids, dtype=torch.int32)
             save_file(t, os.path.join(out, f"ref_{i}.safetensors"))
     with open(os.path.join(out, "prompts.json"), "w") as fh:
-        json.dump({"prompts": prompts, "aux": aux_ids, "hf": hf, "num_layers": n_layers,
-                   "hf_hidden_states_N_is_post_norm": same_final}, fh)
-    print(f"hf_reference: {len(prompts)} prompts, {sum(map(len, prompts))} tokens, hf={hf}, "
-          f"hidden_states[N]==last_hidden_state: {same_final}, {time.time() - t0:.1f}s", flush=True)
+        json.dump(
+            {
+                "prompts": prompts,
+                "aux": aux_ids,
+                "hf": hf,
+                "num_layers": n_layers,
+                "hf_hidden_states_N_is_post_norm": same_final,
+            },
+            fh,
+        )
+    print(
+        f"hf_reference: {len(prompts)} prompts, {sum(map(len, prompts))} tokens, hf={hf}, "
+        f"hidden_states[N]==last_hidden_state: {same_final}, {time.time() - t0:.1f}s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ def load_dump(dump_dir: str, rid: str) -> tuple[contract.DumpMeta, dict[str, con
     return meta, contract.read_safetensors(os.path.join(d, contract.STATES_FILE))
 
 
-def verify_inline(dump_dir: str, rid: str, ids: list[int], response: dict[str, Any], info: dict[str, Any]) -> list[str]:
+def verify_inline(
+    dump_dir: str, rid: str, ids: list[int], response: dict[str, Any], info: dict[str, Any]
+) -> list[str]:
     """What a verifier must reject; empty when the sample is good."""
     errs: list[str] = []
     mi = response.get("meta_info", {})
@@ -70,7 +72,9 @@ def verify_inline(dump_dir: str, rid: str, ids: list[int], response: dict[str, A
     return errs
 
 
-def _verify(dump_dir: str, rid: str, ids: list[int], response: dict[str, Any], info: dict[str, Any]) -> tuple[bool, str, str]:
+def _verify(
+    dump_dir: str, rid: str, ids: list[int], response: dict[str, Any], info: dict[str, Any]
+) -> tuple[bool, str, str]:
     errs = verify_inline(dump_dir, rid, ids, response, info)
     return not errs, "; ".join(errs), "inline"
 
@@ -87,7 +91,9 @@ def prefix_pair(seed: int) -> tuple[list[int], list[int]]:
     return p1, p2
 
 
-def shared_prefix_case(client: Client, dump_dir: str, info: dict[str, Any], extra_keys: bool) -> dict[str, Any]:
+def shared_prefix_case(
+    client: Client, dump_dir: str, info: dict[str, Any], extra_keys: bool
+) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:6]
     p1, p2 = prefix_pair(11)
     out: dict[str, Any] = {}
@@ -102,8 +108,12 @@ def shared_prefix_case(client: Client, dump_dir: str, info: dict[str, Any], extr
         except FileNotFoundError:
             pass
         out[name] = {
-            "sent": len(ids), "cached_tokens": resp["meta_info"].get("cached_tokens"),
-            "rows_dumped": meta.num_tokens if meta else None, "verify_pass": ok, "why": why, "verifier": how,
+            "sent": len(ids),
+            "cached_tokens": resp["meta_info"].get("cached_tokens"),
+            "rows_dumped": meta.num_tokens if meta else None,
+            "verify_pass": ok,
+            "why": why,
+            "verifier": how,
         }
     return out
 
@@ -117,7 +127,10 @@ def correctness(url: str, dump_dir: str, ref_dir: str, out_path: str) -> int:
     with open(os.path.join(ref_dir, "prompts.json")) as fh:
         ref = json.load(fh)
     prompts: list[list[int]] = ref["prompts"]
-    res: dict[str, Any] = {"info": info, "hf_hidden_states_N_is_post_norm": ref["hf_hidden_states_N_is_post_norm"]}
+    res: dict[str, Any] = {
+        "info": info,
+        "hf_hidden_states_N_is_post_norm": ref["hf_hidden_states_N_is_post_norm"],
+    }
     info_ok = info["hf_indices"] == ref["hf"] and info["num_layers"] == ref["num_layers"]
     res["info_ok"] = info_ok and info["prefix_cache"] is False and info["backend"] == "sglang"
 
@@ -154,9 +167,13 @@ def correctness(url: str, dump_dir: str, ref_dir: str, out_path: str) -> int:
         try:
             meta, t = load_dump(dump_dir, rid)
             reft = contract.read_safetensors(os.path.join(ref_dir, f"ref_{i}.safetensors"))
-            row.update(rows=meta.num_tokens, prompt_tokens=meta.prompt_tokens, cached=meta.cached_tokens,
-                       resp_cached=responses[rid]["meta_info"].get("cached_tokens"),
-                       chunks=meta.extra.get("chunks"))
+            row.update(
+                rows=meta.num_tokens,
+                prompt_tokens=meta.prompt_tokens,
+                cached=meta.cached_tokens,
+                resp_cached=responses[rid]["meta_info"].get("cached_tokens"),
+                chunks=meta.extra.get("chunks"),
+            )
             row["ids_equal"] = list(memoryview(t["input_ids"].data).cast("i")) == ids
             cos, tokmin = {}, {}
             for k in info["hf_indices"]:
@@ -166,12 +183,16 @@ def correctness(url: str, dump_dir: str, ref_dir: str, out_path: str) -> int:
                 if a.shape != b.shape:
                     cos[k] = tokmin[k] = float("nan")
                     continue
-                cos[k] = round(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item(), 6)
+                cos[k] = round(
+                    torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item(), 6
+                )
                 tokmin[k] = round(torch.nn.functional.cosine_similarity(a, b, dim=1).min().item(), 5)
             row["cos"], row["min_token_cos"] = cos, tokmin
             row["pass"] = (
-                meta.num_tokens == len(ids) == meta.prompt_tokens and meta.cached_tokens == 0
-                and row["ids_equal"] and all(c >= 0.999 for c in cos.values())
+                meta.num_tokens == len(ids) == meta.prompt_tokens
+                and meta.cached_tokens == 0
+                and row["ids_equal"]
+                and all(c >= 0.999 for c in cos.values())
             )
         except Exception as exc:  # noqa: BLE001
             row.update(error=repr(exc), **{"pass": False})
@@ -207,7 +228,9 @@ def correctness(url: str, dump_dir: str, ref_dir: str, out_path: str) -> int:
         client.request("POST", "/abort_request", {"rid": rid})
         th.join()
         fr = (box.get("resp") or {}).get("meta_info", {}).get("finish_reason")
-        trials.append({"rid": rid, "delay": delay, "len": len(ids), "finish_reason": fr, "error": box.get("error")})
+        trials.append(
+            {"rid": rid, "delay": delay, "len": len(ids), "finish_reason": fr, "error": box.get("error")}
+        )
     time.sleep(1.5)
     for tr in trials:
         d = os.path.join(dump_dir, tr["rid"])
@@ -253,27 +276,45 @@ def report(out_dir: str) -> int:
     lines = []
     if c:
         hf = c["info"]["hf_indices"]
-        lines.append("TEST 1  SGLang (chunked prefill 2048, radix off, mixed concurrent batches) vs HF transformers")
-        lines.append(f"{'tokens':>6} {'rows':>6} {'cached':>6} {'chunks':>6} " + " ".join(f"{'cos h.' + str(k):>11}" for k in hf) + f" {'min tok cos':>11}  ok")
+        lines.append(
+            "TEST 1  SGLang (chunked prefill 2048, radix off, mixed concurrent batches) vs HF transformers"
+        )
+        lines.append(
+            f"{'tokens':>6} {'rows':>6} {'cached':>6} {'chunks':>6} "
+            + " ".join(f"{'cos h.' + str(k):>11}" for k in hf)
+            + f" {'min tok cos':>11}  ok"
+        )
         for row in c["test1"]:
             if "error" in row:
                 lines.append(f"{row['len']:>6} ERROR {row['error'][:100]}")
                 continue
             cos = " ".join(f"{row['cos'][str(k)]:>11.6f}" for k in hf)
             mins = min(row["min_token_cos"].values())
-            lines.append(f"{row['len']:>6} {row['rows']:>6} {row['cached']:>6} {row['chunks']:>6} {cos} {mins:>11.5f}  {'PASS' if row['pass'] else 'FAIL'}")
-        lines.append(f"plain/health rids dumped: {c['stray_dirs'] or 'none'}; health_generate: {c['health_status']}; /hsx/info ok: {c['info_ok']}")
+            lines.append(
+                f"{row['len']:>6} {row['rows']:>6} {row['cached']:>6} {row['chunks']:>6} {cos} {mins:>11.5f}  {'PASS' if row['pass'] else 'FAIL'}"
+            )
+        lines.append(
+            f"plain/health rids dumped: {c['stray_dirs'] or 'none'}; health_generate: {c['health_status']}; /hsx/info ok: {c['info_ok']}"
+        )
         t2 = c["test2_radix_off"]["shares_500_prefix"]
-        lines.append(f"TEST 2  radix OFF: shared-prefix prompt cached={t2['cached_tokens']} rows={t2['rows_dumped']}/{t2['sent']} verify={'PASS' if t2['verify_pass'] else 'FAIL'} ({t2['verifier']})")
+        lines.append(
+            f"TEST 2  radix OFF: shared-prefix prompt cached={t2['cached_tokens']} rows={t2['rows_dumped']}/{t2['sent']} verify={'PASS' if t2['verify_pass'] else 'FAIL'} ({t2['verifier']})"
+        )
     if r:
         t2 = r["test2_radix_on"]["shares_500_prefix"]
-        lines.append(f"TEST 2  radix ON : shared-prefix prompt cached={t2['cached_tokens']} rows={t2['rows_dumped']}/{t2['sent']} verify={'PASS' if t2['verify_pass'] else 'FAIL'}: {t2['why']}")
+        lines.append(
+            f"TEST 2  radix ON : shared-prefix prompt cached={t2['cached_tokens']} rows={t2['rows_dumped']}/{t2['sent']} verify={'PASS' if t2['verify_pass'] else 'FAIL'}: {t2['why']}"
+        )
         t3 = r["test2_radix_on_extra_key"]["shares_500_prefix"]
-        lines.append(f"TEST 2  radix ON + distinct extra_key: cached={t3['cached_tokens']} rows={t3['rows_dumped']}/{t3['sent']} verify={'PASS' if t3['verify_pass'] else 'FAIL'}")
+        lines.append(
+            f"TEST 2  radix ON + distinct extra_key: cached={t3['cached_tokens']} rows={t3['rows_dumped']}/{t3['sent']} verify={'PASS' if t3['verify_pass'] else 'FAIL'}"
+        )
     if c:
         ab = c["aborts"]
         kinds = [t["dump"] for t in ab]
-        lines.append(f"ABORTS  {len(ab)} captured 8000-token requests aborted at 30..500 ms: dumps {kinds} -> {'OK' if c['aborts_ok'] else 'HALF DUMP'}")
+        lines.append(
+            f"ABORTS  {len(ab)} captured 8000-token requests aborted at 30..500 ms: dumps {kinds} -> {'OK' if c['aborts_ok'] else 'HALF DUMP'}"
+        )
     for f in sorted(glob.glob(os.path.join(out_dir, "bench_*.json"))):
         b = load(os.path.basename(f))
         if not b:

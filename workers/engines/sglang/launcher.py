@@ -56,12 +56,16 @@ def parse_aux_layers(text: str | None) -> list[int] | None:
 
 def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
-        prog="hsx engine --backend sglang", allow_abbrev=False, add_help=False,
+        prog="hsx engine --backend sglang",
+        allow_abbrev=False,
+        add_help=False,
         description="SGLang server with hsx hidden-state capture; other arguments go to SGLang.",
     )
     parser.add_argument("--backend", default="sglang", choices=["sglang"], help=argparse.SUPPRESS)
     parser.add_argument("--dump-dir", default=None, help="where per-request dumps go (default: HSX_DUMP_DIR)")
-    parser.add_argument("--aux-layers", default=None, help="decoder layer ids, comma-separated (default: EAGLE-3)")
+    parser.add_argument(
+        "--aux-layers", default=None, help="decoder layer ids, comma-separated (default: EAGLE-3)"
+    )
     parser.add_argument("--pinned-mb", type=int, default=2048, help="pinned host staging arena (MiB)")
     parser.add_argument("--writer-threads", type=int, default=4, help="dump writer threads")
     parser.add_argument("--with-tokenizer", action="store_true", help="do not add --skip-tokenizer-init")
@@ -145,7 +149,8 @@ def main(argv: list[str]) -> int:
     print(
         f"hsx engine (sglang): layers={num_layers} hidden={hidden_size} dtype={dtype} aux={aux} hf={hf} "
         f"dump_dir={dump_dir} prefix_cache={info['prefix_cache']}",
-        file=sys.stderr, flush=True,
+        file=sys.stderr,
+        flush=True,
     )
     launch_server(server_args, run_scheduler_process_func=plugin.run_scheduler_process)
     return 0

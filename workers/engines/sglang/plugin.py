@@ -104,7 +104,9 @@ def unsupported_config(server_args: Any) -> list[str]:
     if get("is_embedding"):
         problems.append("embedding models (--is-embedding)")
     if (get("pp_size") or 1) > 1:
-        problems.append("pipeline parallelism (--pp-size > 1): aux layers and final norm live on different ranks")
+        problems.append(
+            "pipeline parallelism (--pp-size > 1): aux layers and final norm live on different ranks"
+        )
     if get("enable_dp_attention"):
         problems.append("DP attention (--enable-dp-attention): per-rank batches are padded and gathered")
     if (get("attn_cp_size") or 1) > 1 or (get("dcp_size") or 1) > 1:
@@ -408,8 +410,14 @@ class _Capture:
         self.attach(model)
         log.info(
             "hsx capture on: layers=%d hidden=%d dtype=%s aux=%s hf=%s dump_dir=%s arena=%d MiB writers=%d",
-            num_layers, hidden_size, self.dtype_name, self.aux, self.hf, self.dump_dir,
-            self.arena.size >> 20, cfg.writer_threads,
+            num_layers,
+            hidden_size,
+            self.dtype_name,
+            self.aux,
+            self.hf,
+            self.dump_dir,
+            self.arena.size >> 20,
+            cfg.writer_threads,
         )
 
     @classmethod
@@ -540,7 +548,11 @@ class _Capture:
             self.sweep()
         reqs = batch.reqs
         prefix_lens, extend_lens = batch.prefix_lens, batch.extend_lens
-        if prefix_lens is None or extend_lens is None or not (len(reqs) == len(prefix_lens) == len(extend_lens)):
+        if (
+            prefix_lens is None
+            or extend_lens is None
+            or not (len(reqs) == len(prefix_lens) == len(extend_lens))
+        ):
             log.error("hsx: batch without prefix_lens/extend_lens for every request; not captured")
             return None
         pieces: list[_Piece] = []
@@ -620,7 +632,10 @@ class _Capture:
             self.stats["dropped"] += 1
         log.warning(
             "hsx: dropped partial capture of %s (%s; %d of %d rows captured)",
-            req.rid, reason, st.next - st.start, st.total,
+            req.rid,
+            reason,
+            st.next - st.start,
+            st.total,
         )
 
     def sweep(self) -> None:
@@ -732,7 +747,9 @@ class _Capture:
         tensors: list[tuple[str, str, list[int], Any]] = [("input_ids", "I32", [T], ids)]
         for hf_index, layer in zip(self.hf, layers):
             # raw little-endian bytes of the rows, straight from the (pinned) host buffer: no copy, no pickle
-            tensors.append((contract.tensor_name(hf_index), self.st_dtype, [T, H], layer.reshape(-1).numpy().data))
+            tensors.append(
+                (contract.tensor_name(hf_index), self.st_dtype, [T, H], layer.reshape(-1).numpy().data)
+            )
         try:
             os.makedirs(directory, exist_ok=True)
             contract.write_safetensors(os.path.join(directory, contract.STATES_FILE), tensors)
@@ -754,8 +771,11 @@ class _Capture:
             if now != last:
                 log.info(
                     "hsx stats: %s partials=%d sched_cpu_s=%.2f backpressure_s=%.2f oversize=%d",
-                    " ".join(f"{k}={v}" for k, v in now.items()), len(self._partials), self.sched_s,
-                    self.arena.wait_s, self.arena.oversize,
+                    " ".join(f"{k}={v}" for k, v in now.items()),
+                    len(self._partials),
+                    self.sched_s,
+                    self.arena.wait_s,
+                    self.arena.oversize,
                 )
                 last = now
 
