@@ -140,9 +140,7 @@ def _check_output(doc: dict[str, Any]) -> bool:
         indices.append(sample.index)
     total, rejected = int(progress["samples_total"]), int(progress["samples_rejected"])
     duplicated = len(indices) - len(set(indices))
-    _say(
-        f"read back {len(indices)} samples ({duplicated} duplicated); {rejected} rejected; {total} in the dataset"
-    )
+    _say(f"read back {len(indices)} samples ({duplicated} duplicated); {rejected} rejected; {total} in all")
     return (
         duplicated == 0 and len(indices) + rejected == total and len(indices) == int(progress["samples_done"])
     )

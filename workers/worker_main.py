@@ -40,6 +40,7 @@ def preload() -> None:
     # Loading any tokenizer imports a model's configuration module, which pulls in transformers' model
     # machinery (and torch.distributed): seconds of imports that every horse would otherwise pay per unit.
     import transformers.modeling_utils  # noqa: F401
+
     import workers.chat  # noqa: F401
     import workers.job_runner  # noqa: F401
 
