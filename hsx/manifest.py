@@ -15,6 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hsx.contract import LAYER_CONVENTION
+from hsx.fsutil import fsync_dir
 
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -64,18 +65,6 @@ def _checked_relative(path: str) -> str:
     if not path or pure.is_absolute() or ".." in pure.parts or "\\" in path or "\x00" in path:
         raise ManifestError(f"shard path {path!r} is not a plain relative path")
     return path
-
-
-def _fsync_dir(path: Path) -> None:
-    # Same as workers.shards.fsync_dir; repeated so this module stays standard-library only.
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except (PermissionError, IsADirectoryError):
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(kw_only=True)
@@ -152,7 +141,7 @@ class Manifest:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(directory)
+        fsync_dir(directory)
         return final
 
     @classmethod

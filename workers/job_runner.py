@@ -20,6 +20,7 @@ from sqlalchemy.exc import OperationalError
 from hsx.contract import EngineInfo, eagle3_aux_layer_ids
 from hsx.db.models import JobState
 from hsx.db.session import session_scope
+from hsx.fsutil import fsync_dir
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
 from hsx.jobs.repository import ClaimedUnit, ShardRow
@@ -258,7 +259,7 @@ class JobRunner:
         def publish() -> None:
             if shard is not None:
                 os.replace(staged, final)
-                _fsync_dir(final.parent)
+                fsync_dir(final.parent)
                 crash_point("after_rename")
             crash_point("before_row_commit")
 
@@ -291,11 +292,3 @@ class JobRunner:
         if not ok:
             log.warning("unit %s attempt %s lost its lease; results dropped", unit.unit_index, unit.attempt)
         return ok
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hsx.contract import DTYPE_SIZES
+from hsx.fsutil import fsync_dir
 
 # Accepted spellings of the state dtype, mapped to the safetensors name the shard uses.
 STATE_DTYPES = {
@@ -76,19 +77,6 @@ class ShardInfo:
     bytes: int
     samples: int
     tokens: int
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or creation inside ``path`` durable (a no-op where directories cannot be opened)."""
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
-    try:
-        fd = os.open(path, flags)
-    except (PermissionError, IsADirectoryError):  # Windows cannot open a directory
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
