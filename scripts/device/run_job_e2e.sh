@@ -61,16 +61,16 @@ launch A 30011 0.4 || exit 1
 python3 -m hsx.cli verify --engine-url http://127.0.0.1:30011 > "$OUT/verify_A.json"; say "hsx verify A exit $?"
 
 export HSX_ENGINE_CONCURRENCY=16
-HSX_DATA_DIR=/tmp/hsx-one timeout 240 python3 -m hsx.cli demo --engine-url http://127.0.0.1:30011 \
-  --repeat 20 --samples-per-shard 32 > "$OUT/job_one.json" 2> "$OUT/job_one.log"
+HSX_DATA_DIR=/tmp/hsx-one timeout 200 python3 -m hsx.cli demo --engine-url http://127.0.0.1:30011 \
+  --repeat 10 --samples-per-shard 16 > "$OUT/job_one.json" 2> "$OUT/job_one.log"
 say "phase 1 (one engine) exit $?: $(grep -E 'read back|units done' "$OUT/job_one.log" | tail -2)"
 ONE_DIR=$(python3 -c "import json;print(json.load(open('$OUT/job_one.json'))['output_dir'])" 2>/dev/null)
 [ -n "$ONE_DIR" ] && python3 scripts/device/check_shards.py "$ONE_DIR" $MODEL 8 > "$OUT/check_one.json" 2> "$OUT/check_one.log"
 say "shards vs HF: $(cat "$OUT/check_one.json" 2>/dev/null)"
 
 launch B 30012 0.4 || exit 1
-HSX_DATA_DIR=/tmp/hsx-two timeout 240 python3 -m hsx.cli demo --engine-url http://127.0.0.1:30011 \
-  --engine-url http://127.0.0.1:30012 --repeat 40 --samples-per-shard 32 > "$OUT/job_two.json" 2> "$OUT/job_two.log"
+HSX_DATA_DIR=/tmp/hsx-two timeout 200 python3 -m hsx.cli demo --engine-url http://127.0.0.1:30011 \
+  --engine-url http://127.0.0.1:30012 --repeat 20 --samples-per-shard 16 > "$OUT/job_two.json" 2> "$OUT/job_two.log"
 say "phase 2 (two engines) exit $?: $(grep -E 'read back|units done' "$OUT/job_two.log" | tail -2)"
 
 for p in "${PIDS[@]}"; do kill -TERM -- -"$p" 2> /dev/null; done
