@@ -104,7 +104,7 @@ def check_dumps(
     hidden, hf = info["hidden_size"], info["hf_indices"]
     itemsize = contract.DTYPE_SIZES[{"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[info["dtype"]]]
     bad: list[str] = []
-    for i, (rid, ids) in enumerate(zip(rids, prompts)):
+    for i, (rid, ids) in enumerate(zip(rids, prompts, strict=True)):
         d = os.path.join(dump_dir, rid)
         try:
             with open(os.path.join(d, contract.META_FILE)) as fh:
@@ -180,6 +180,7 @@ def bench(
     rounds: int,
     seed: int = 7,
     extra_key: bool = False,
+    vocab: int = 120000,
 ) -> dict[str, Any]:
     """``extra_key``: a distinct cache namespace per request (what the worker sends), so that repeated
     prompts cannot hit a radix cache that is on."""
@@ -187,8 +188,8 @@ def bench(
     status, info = client.request("GET", contract.INFO_PATH)
     if status != 200:
         raise RuntimeError(f"{contract.INFO_PATH}: HTTP {status}")
-    prompts = make_prompts(num_prompts, prompt_len, seed)
-    warm = make_prompts(concurrency, prompt_len, seed + 1)
+    prompts = make_prompts(num_prompts, prompt_len, seed, high=vocab)
+    warm = make_prompts(concurrency, prompt_len, seed + 1, high=vocab)
     run_round(client, warm, concurrency, "plain-warm-", None, extra_key)
     w = run_round(client, warm, concurrency, contract.RID_PREFIX + "warm-", dump_dir, extra_key)
     for r in w["rids"]:
@@ -236,10 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--extra-key", action="store_true", help="a distinct extra_key per request")
+    ap.add_argument("--vocab", type=int, default=120000, help="token ids are drawn from [10, vocab)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     res = bench(
-        a.url, a.dump_dir, a.num_prompts, a.prompt_len, a.concurrency, a.rounds, extra_key=a.extra_key
+        a.url,
+        a.dump_dir,
+        a.num_prompts,
+        a.prompt_len,
+        a.concurrency,
+        a.rounds,
+        extra_key=a.extra_key,
+        vocab=a.vocab,
     )
     text = json.dumps(res, indent=1)
     if a.out:

@@ -19,6 +19,7 @@ prompt tokens, cached_tokens == 0 in the response and the meta, the ids sent, [T
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import glob
 import json
 import os
@@ -79,15 +80,48 @@ def _verify(
     return not errs, "; ".join(errs), "inline"
 
 
+def hsx_verify(url: str, dump_dir: str) -> dict[str, Any]:
+    """``hsx.verify.run_verification`` against the server (its two shared-prefix prompts, no extra_key)."""
+    try:
+        from hsx.verify import run_verification
+    except Exception as exc:  # noqa: BLE001 - a missing dependency on the device must not stop the run
+        return {"available": False, "error": repr(exc)[:300]}
+    rep = run_verification(url, dump_dir)
+    return {
+        "available": True,
+        "ok": rep.ok,
+        "failed": [f"{c.name}: expected {c.expected}, got {c.actual}" for c in rep.failed],
+    }
+
+
 def as_tensor(raw: contract.RawTensor, torch: Any) -> Any:
-    assert raw.dtype == "BF16", raw.dtype
-    return torch.frombuffer(bytearray(raw.data), dtype=torch.bfloat16).view(*raw.shape)
+    dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}[raw.dtype]
+    return torch.frombuffer(bytearray(raw.data), dtype=dtype).view(*raw.shape)
+
+
+def cosines(
+    t: dict[str, contract.RawTensor], ref_path: str, hf: list[int], torch: Any, dev: str
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Per-layer cosine over the whole [T, H] tensor, and the smallest per-token cosine."""
+    reft = contract.read_safetensors(ref_path)
+    cos, tokmin = {}, {}
+    for k in hf:
+        name = contract.tensor_name(k)
+        a = as_tensor(t[name], torch).to(dev).float()
+        b = as_tensor(reft[name], torch).to(dev).float()
+        if a.shape != b.shape:
+            cos[k] = tokmin[k] = float("nan")
+            continue
+        cos[k] = round(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item(), 6)
+        tokmin[k] = round(torch.nn.functional.cosine_similarity(a, b, dim=1).min().item(), 5)
+    return cos, tokmin
 
 
 def prefix_pair(seed: int) -> tuple[list[int], list[int]]:
     rng = random.Random(seed)
-    p1 = [rng.randrange(10, 120000) for _ in range(600)]
-    p2 = p1[:500] + [rng.randrange(10, 120000) for _ in range(100)]
+    high = int(os.environ.get("HSX_E2E_VOCAB", "120000"))
+    p1 = [rng.randrange(10, high) for _ in range(600)]
+    p2 = p1[:500] + [rng.randrange(10, high) for _ in range(100)]
     return p1, p2
 
 
@@ -103,10 +137,8 @@ def shared_prefix_case(
         wait_for_dumps(dump_dir, [rid], 30)
         ok, why, how = _verify(dump_dir, rid, ids, resp, info)
         meta = None
-        try:
+        with contextlib.suppress(FileNotFoundError):
             meta, _ = load_dump(dump_dir, rid)
-        except FileNotFoundError:
-            pass
         out[name] = {
             "sent": len(ids),
             "cached_tokens": resp["meta_info"].get("cached_tokens"),
@@ -121,6 +153,9 @@ def shared_prefix_case(
 def correctness(url: str, dump_dir: str, ref_dir: str, out_path: str) -> int:
     import torch
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    abort_len = int(os.environ.get("HSX_E2E_ABORT_LEN", "8000"))
+    only_test1 = os.environ.get("HSX_E2E_ONLY_TEST1") == "1"
     client = Client(url)
     status, info = client.request("GET", contract.INFO_PATH)
     assert status == 200, (status, info)
@@ -166,7 +201,6 @@ def correctness(url: str, dump_dir: str, ref_dir: str, out_path: str) -> int:
         row: dict[str, Any] = {"len": len(ids)}
         try:
             meta, t = load_dump(dump_dir, rid)
-            reft = contract.read_safetensors(os.path.join(ref_dir, f"ref_{i}.safetensors"))
             row.update(
                 rows=meta.num_tokens,
                 prompt_tokens=meta.prompt_tokens,
@@ -175,25 +209,31 @@ def correctness(url: str, dump_dir: str, ref_dir: str, out_path: str) -> int:
                 chunks=meta.extra.get("chunks"),
             )
             row["ids_equal"] = list(memoryview(t["input_ids"].data).cast("i")) == ids
-            cos, tokmin = {}, {}
-            for k in info["hf_indices"]:
-                name = contract.tensor_name(k)
-                a = as_tensor(t[name], torch).cuda().float()
-                b = as_tensor(reft[name], torch).cuda().float()
-                if a.shape != b.shape:
-                    cos[k] = tokmin[k] = float("nan")
-                    continue
-                cos[k] = round(
-                    torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item(), 6
-                )
-                tokmin[k] = round(torch.nn.functional.cosine_similarity(a, b, dim=1).min().item(), 5)
+            hf = info["hf_indices"]
+            cos, tokmin = cosines(t, os.path.join(ref_dir, f"ref_{i}.safetensors"), hf, torch, dev)
             row["cos"], row["min_token_cos"] = cos, tokmin
-            row["pass"] = (
+            counts_ok = (
                 meta.num_tokens == len(ids) == meta.prompt_tokens
                 and meta.cached_tokens == 0
                 and row["ids_equal"]
-                and all(c >= 0.999 for c in cos.values())
             )
+            primary = cos
+            ref32 = os.path.join(ref_dir, f"ref32_{i}.safetensors")
+            if os.path.exists(ref32):
+                cos32, tokmin32 = cosines(t, ref32, hf, torch, dev)
+                row["cos_fp32"], row["min_token_cos_fp32"] = cos32, tokmin32
+                floor = ref["hf_bf16_vs_fp32_cos"][i]
+                row["hf_bf16_vs_fp32"] = {k: floor[contract.tensor_name(k)] for k in hf}
+                # error of this capture against the exact (fp32) states, relative to HF's own bf16 error
+                row["err_ratio_vs_hf_bf16"] = {
+                    k: round((1 - cos32[k]) / max(1e-9, 1 - row["hf_bf16_vs_fp32"][k]), 2) for k in hf
+                }
+                row["pass_numerics"] = counts_ok and all(
+                    (1 - cos32[k]) <= 1.5 * (1 - row["hf_bf16_vs_fp32"][k]) + 1e-4 for k in hf
+                )
+                if info["dtype"] == "float32":
+                    primary = cos32  # an fp32 server is compared with the fp32 reference
+            row["pass"] = counts_ok and all(c >= 0.999 for c in primary.values())
         except Exception as exc:  # noqa: BLE001
             row.update(error=repr(exc), **{"pass": False})
         rows.append(row)
@@ -204,16 +244,23 @@ def correctness(url: str, dump_dir: str, ref_dir: str, out_path: str) -> int:
     res["health_status"] = responses.get("health")
     res["stray_dirs"] = stray  # plain/health rids must not be dumped
     res["no_stray"] = not stray
+    if only_test1:
+        with open(out_path, "w") as fh:
+            json.dump(res, fh, indent=1)
+        print(json.dumps({k: res[k] for k in ("info_ok", "test1_pass", "no_stray")}))
+        return 0
 
     # --- test 2 (radix off): a shared-prefix pair passes ----------------------------------------
     res["test2_radix_off"] = shared_prefix_case(client, dump_dir, info, extra_keys=False)
+    res["test2_radix_off_hsx_verify"] = hsx_verify(url, dump_dir)
 
     # --- aborts: staggered aborts of captured 8,000-token requests ------------------------------
     rng = random.Random(3)
+    high = int(os.environ.get("HSX_E2E_VOCAB", "120000"))
     trials = []
     for j, delay in enumerate([0.03, 0.06, 0.09, 0.12, 0.15, 0.2, 0.3, 0.5]):
         rid = f"{contract.RID_PREFIX}abort-{j}-{tag}"
-        ids = [rng.randrange(10, 120000) for _ in range(8000)]
+        ids = [rng.randrange(10, high) for _ in range(abort_len)]
         box: dict[str, Any] = {}
 
         def send(rid: str = rid, ids: list[int] = ids, box: dict[str, Any] = box) -> None:
@@ -257,6 +304,7 @@ def radix(url: str, dump_dir: str, out_path: str) -> int:
         "info_prefix_cache": info["prefix_cache"],
         "test2_radix_on": shared_prefix_case(client, dump_dir, info, extra_keys=False),
         "test2_radix_on_extra_key": shared_prefix_case(client, dump_dir, info, extra_keys=True),
+        "test2_radix_on_hsx_verify": hsx_verify(url, dump_dir),
     }
     with open(out_path, "w") as fh:
         json.dump(res, fh, indent=1)
@@ -272,62 +320,109 @@ def report(out_dir: str) -> int:
         except (OSError, ValueError):
             return {}
 
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
     c, r = load("correctness.json"), load("radix.json")
-    lines = []
-    if c:
-        hf = c["info"]["hf_indices"]
-        lines.append(
-            "TEST 1  SGLang (chunked prefill 2048, radix off, mixed concurrent batches) vs HF transformers"
-        )
-        lines.append(
-            f"{'tokens':>6} {'rows':>6} {'cached':>6} {'chunks':>6} "
-            + " ".join(f"{'cos h.' + str(k):>11}" for k in hf)
-            + f" {'min tok cos':>11}  ok"
-        )
-        for row in c["test1"]:
-            if "error" in row:
-                lines.append(f"{row['len']:>6} ERROR {row['error'][:100]}")
-                continue
-            cos = " ".join(f"{row['cos'][str(k)]:>11.6f}" for k in hf)
-            mins = min(row["min_token_cos"].values())
-            lines.append(
-                f"{row['len']:>6} {row['rows']:>6} {row['cached']:>6} {row['chunks']:>6} {cos} {mins:>11.5f}  {'PASS' if row['pass'] else 'FAIL'}"
-            )
-        lines.append(
-            f"plain/health rids dumped: {c['stray_dirs'] or 'none'}; health_generate: {c['health_status']}; /hsx/info ok: {c['info_ok']}"
-        )
+    benches = {
+        os.path.basename(f)[6:-5]: load(os.path.basename(f)) for f in glob.glob(f"{out_dir}/bench_*.json")
+    }
+    lines: list[str] = []
+    for f in sorted(glob.glob(f"{out_dir}/correctness*.json")):
+        lines += _test1_table(load(os.path.basename(f)), verdict)
+    if c.get("test2_radix_off"):
+        lines.append(f"health_generate during test 1: {c['health_status']}")
         t2 = c["test2_radix_off"]["shares_500_prefix"]
         lines.append(
-            f"TEST 2  radix OFF: shared-prefix prompt cached={t2['cached_tokens']} rows={t2['rows_dumped']}/{t2['sent']} verify={'PASS' if t2['verify_pass'] else 'FAIL'} ({t2['verifier']})"
+            f"TEST 2  radix OFF: shared-prefix prompt cached={t2['cached_tokens']} "
+            f"rows={t2['rows_dumped']}/{t2['sent']} inline verify={verdict(t2['verify_pass'])}"
+        )
+        lines.append(
+            "TEST 2  radix OFF: hsx.verify.run_verification "
+            + _verify_text(c.get("test2_radix_off_hsx_verify", {}))
         )
     if r:
         t2 = r["test2_radix_on"]["shares_500_prefix"]
         lines.append(
-            f"TEST 2  radix ON : shared-prefix prompt cached={t2['cached_tokens']} rows={t2['rows_dumped']}/{t2['sent']} verify={'PASS' if t2['verify_pass'] else 'FAIL'}: {t2['why']}"
+            f"TEST 2  radix ON : shared-prefix prompt cached={t2['cached_tokens']} "
+            f"rows={t2['rows_dumped']}/{t2['sent']} inline verify={verdict(t2['verify_pass'])}: "
+            f"{t2['why'][:120]}"
+        )
+        lines.append(
+            "TEST 2  radix ON : hsx.verify.run_verification "
+            + _verify_text(r.get("test2_radix_on_hsx_verify", {}))
         )
         t3 = r["test2_radix_on_extra_key"]["shares_500_prefix"]
         lines.append(
-            f"TEST 2  radix ON + distinct extra_key: cached={t3['cached_tokens']} rows={t3['rows_dumped']}/{t3['sent']} verify={'PASS' if t3['verify_pass'] else 'FAIL'}"
+            f"TEST 2  radix ON + distinct extra_key: cached={t3['cached_tokens']} "
+            f"rows={t3['rows_dumped']}/{t3['sent']} inline verify={verdict(t3['verify_pass'])}"
         )
-    if c:
+    if c.get("aborts"):
         ab = c["aborts"]
-        kinds = [t["dump"] for t in ab]
         lines.append(
-            f"ABORTS  {len(ab)} captured 8000-token requests aborted at 30..500 ms: dumps {kinds} -> {'OK' if c['aborts_ok'] else 'HALF DUMP'}"
+            f"ABORTS  {len(ab)} captured {ab[0]['len']}-token requests aborted at 30..500 ms: dumps "
+            f"{[t['dump'] for t in ab]} -> {'OK' if c['aborts_ok'] else 'HALF DUMP'}"
         )
-    for f in sorted(glob.glob(os.path.join(out_dir, "bench_*.json"))):
-        b = load(os.path.basename(f))
+    for name, b in sorted(benches.items()):
         if not b:
             continue
         s = b["summary"]
         lines.append(
-            f"TEST 3  {os.path.basename(f)[6:-5]}: {b['num_prompts']}x{b['prompt_len']} tok, {b['concurrency']} in flight: "
+            f"TEST 3  {name}: {b['num_prompts']}x{b['prompt_len']} tok, {b['concurrency']} in flight: "
             f"plain {s['plain_tok_s']} tok/s, captured {s['captured_tok_s_responses']} tok/s (responses) / "
-            f"{s['captured_tok_s_end_to_end']} tok/s (until last dump) -> ratio {s['ratio_responses']} / {s['ratio_end_to_end']}; "
-            f"dumps complete: {s['dumps_complete']}"
+            f"{s['captured_tok_s_end_to_end']} tok/s (until last dump) -> ratio {s['ratio_responses']} / "
+            f"{s['ratio_end_to_end']}; dumps complete: {s['dumps_complete']}"
         )
     print("\n".join(lines))
+    with open(os.path.join(out_dir, "results.json"), "w") as fh:
+        json.dump({"correctness": c, "radix": r, "bench": benches}, fh, indent=1)
     return 0
+
+
+def _test1_table(c: dict[str, Any], verdict: Any) -> list[str]:
+    if not c:
+        return []
+    hf = c["info"]["hf_indices"]
+    has32 = any("cos_fp32" in row for row in c["test1"])
+    lines = [
+        f"TEST 1  SGLang {c['info']['dtype']} (chunked prefill 2048, radix off, concurrent mixed batches) "
+        "vs HF transformers on the same weights"
+    ]
+    head = " ".join(f"{'h.' + str(k):>8}" for k in hf)
+    cols = f"cos vs HF bf16: {head}"
+    if has32:
+        cols += f" | cos vs HF fp32: {head} | HF bf16 vs fp32: {head}"
+    lines.append(
+        f"{'tokens':>6} {'rows':>6} {'cached':>6} {'chunks':>6}  {cols}  min-tok  ok(>=0.999)  ok(numerics)"
+    )
+    for row in c["test1"]:
+        if "error" in row:
+            lines.append(f"{row['len']:>6} ERROR {row['error'][:100]}")
+            continue
+        cells = "                " + " ".join(f"{row['cos'][str(k)]:>8.5f}" for k in hf)
+        mins = min(row["min_token_cos"].values())
+        if "cos_fp32" in row:
+            cells += " |                " + " ".join(f"{row['cos_fp32'][str(k)]:>8.5f}" for k in hf)
+            cells += " |                 " + " ".join(f"{row['hf_bf16_vs_fp32'][str(k)]:>8.5f}" for k in hf)
+            mins = min(row["min_token_cos_fp32"].values()) if c["info"]["dtype"] == "float32" else mins
+        num = verdict(row["pass_numerics"]) if "pass_numerics" in row else "-"
+        lines.append(
+            f"{row['len']:>6} {row['rows']:>6} {row['cached']:>6} {row['chunks']:>6}  {cells}  {mins:.5f}"
+            f"  {verdict(row['pass']):>11}  {num:>12}"
+        )
+    lines.append(
+        f"  plain/health rids dumped: {c['stray_dirs'] or 'none'}; /hsx/info ok: {c['info_ok']}; "
+        f"all rows PASS: {c['test1_pass']}"
+    )
+    return lines
+
+
+def _verify_text(v: dict[str, Any]) -> str:
+    if not v:
+        return "not run"
+    if not v.get("available"):
+        return f"unavailable ({v.get('error')})"
+    return "PASS" if v["ok"] else "FAIL: " + "; ".join(v["failed"])[:300]
 
 
 if __name__ == "__main__":

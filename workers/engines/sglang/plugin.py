@@ -251,7 +251,7 @@ class _Arena:
         if not self.live:
             return 0
         first, last = self.live[0], self.live[-1]
-        head = last[0] + last[1]
+        head = int(last[0] + last[1])
         if last[0] >= first[0]:  # not wrapped: [head, size) then [0, first)
             if head + n <= self.size:
                 return head
@@ -516,6 +516,7 @@ class _Capture:
         dst = plan.dst[k]
         if self.cuda:
             stream = self.copy_stream
+            assert stream is not None
             stream.wait_stream(torch.cuda.current_stream(a.device))
             with torch.cuda.stream(stream):
                 for s, cap, n in srcs:
@@ -558,7 +559,7 @@ class _Capture:
         pieces: list[_Piece] = []
         spans: list[list[int]] = []
         row = rows = 0
-        for req, pre, ext in zip(reqs, prefix_lens, extend_lens):
+        for req, pre, ext in zip(reqs, prefix_lens, extend_lens, strict=True):
             pre, ext = int(pre), int(ext)
             if contract.is_captured_rid(getattr(req, "rid", None)):
                 piece = self._piece(req, pre, ext, rows)
@@ -740,12 +741,13 @@ class _Capture:
 
     def _write_dump(self, rid: str, meta: contract.DumpMeta, ids: bytes, layers: list[Any]) -> None:
         directory = contract.dump_path(self.dump_dir, rid)
-        if os.path.exists(os.path.join(directory, contract.META_FILE)):
-            log.warning("hsx: %s already has a complete dump; not overwritten", rid)
-            return
+        if os.path.isdir(directory):
+            # A request resent under the same rid replaces the earlier dump (as the reference engine does);
+            # a re-prefill of the same request never gets here (its capture is closed).
+            shutil.rmtree(directory)
         T, H = meta.num_tokens, self.hidden_size
         tensors: list[tuple[str, str, list[int], Any]] = [("input_ids", "I32", [T], ids)]
-        for hf_index, layer in zip(self.hf, layers):
+        for hf_index, layer in zip(self.hf, layers, strict=True):
             # raw little-endian bytes of the rows, straight from the (pinned) host buffer: no copy, no pickle
             tensors.append(
                 (contract.tensor_name(hf_index), self.st_dtype, [T, H], layer.reshape(-1).numpy().data)
