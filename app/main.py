@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from app.jobs.endpoints import router as jobs_router
 from app.ops import health_router, verify_router
@@ -24,6 +26,18 @@ def create_app() -> FastAPI:
     @app.exception_handler(HsxError)
     async def _hsx_error(_request: Request, exc: HsxError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers or None)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        # Raised by the framework itself (unknown route, wrong method, a body that is not UTF-8): same shape.
+        try:
+            error = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_").replace("-", "_")
+        except ValueError:
+            error = "http_error"
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return JSONResponse(
+            {"error": error, "detail": detail}, status_code=exc.status_code, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:

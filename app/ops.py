@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
 from app.deps import SessionDep, SettingsDep
-from app.jobs.schemas import VerifyOut
+from app.jobs.schemas import ErrorOut, VerifyOut
 from hsx.jobs.queue import redis_connection
 
 health_router = APIRouter(tags=["health"])
@@ -44,7 +44,11 @@ def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
     return JSONResponse({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
 
 
-@verify_router.post("/verify", response_model=VerifyOut, responses={503: {"model": VerifyOut}})
+@verify_router.post(
+    "/verify",
+    response_model=VerifyOut,
+    responses={401: {"model": ErrorOut}, 413: {"model": ErrorOut}, 503: {"model": VerifyOut}},
+)
 async def verify(settings: SettingsDep) -> JSONResponse:
     """Known prompts in; ``cached_tokens == 0``, dumped count == prompt length and ids equal out."""
     from hsx.verify import run_verification

@@ -6,6 +6,7 @@ or lost can never commit, and a unit's shard and rejections are recorded exactly
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -258,8 +259,12 @@ class JobRunner:
 
         def publish() -> None:
             if shard is not None:
-                os.replace(staged, final)
-                fsync_dir(final.parent)
+                if staged.exists():
+                    os.replace(staged, final)
+                    fsync_dir(final.parent)
+                elif _sha256_of(final) != shard.sha256:
+                    # Not renamed by an earlier try of this commit (whose transaction was then lost).
+                    raise ShardWriteError(final, None, f"the staged shard {staged.name} is gone")
                 crash_point("after_rename")
             crash_point("before_row_commit")
 
@@ -292,3 +297,14 @@ class JobRunner:
         if not ok:
             log.warning("unit %s attempt %s lost its lease; results dropped", unit.unit_index, unit.attempt)
         return ok
+
+
+def _sha256_of(path: Path) -> str | None:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+    except FileNotFoundError:
+        return None
+    return digest.hexdigest()

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 STALE_DUMP_SECONDS = 600.0
 STALE_TEMP_SECONDS = 60.0
 
+# Held for each pass of the reconciler thread; the worker forks its horses only while holding it too. A fork
+# copies every lock another thread holds at that instant (a module import's, the connection pool's) into the
+# child, where no thread will ever release it: a horse forked mid-pass could hang for good.
+FORK_LOCK = threading.Lock()
+
 
 def expire_leases_of(db_url: str, owner: str) -> int:
     """A work horse died: its leases end now instead of at their expiry."""
@@ -124,7 +129,8 @@ class ReconcilerThread(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(self.settings.reconcile_seconds):
             try:
-                stats = reconcile_once(self.settings)
+                with FORK_LOCK:
+                    stats = reconcile_once(self.settings)
                 if any(stats.values()):
                     log.info("reconciler: %s", stats)
             except Exception as exc:  # noqa: BLE001 - a pass that fails is retried at the next interval

@@ -30,6 +30,7 @@ import numpy.typing as npt
 
 from hsx.contract import DTYPE_SIZES
 from hsx.fsutil import fsync_dir
+from workers.faults import crash_point
 
 # Accepted spellings of the state dtype, mapped to the safetensors name the shard uses.
 STATE_DTYPES = {
@@ -252,5 +253,6 @@ def _write_streaming(
             for array in arrays:
                 emit(array.data.cast("B"))
         fh.flush()
+        crash_point("before_shard_fsync")
         os.fsync(fh.fileno())
     return digest.hexdigest(), size

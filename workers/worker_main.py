@@ -3,6 +3,10 @@
 SIGTERM is a warm shutdown: RQ lets the unit in hand finish (its horse runs in its own process group, so
 the signal does not reach it), then the worker exits 0. A horse that dies has its leases ended at once so
 another attempt can take the unit without waiting for the lease to run out.
+
+Losing Redis does not end the worker: RQ gives up its work loop on a Redis error met outside the wait for
+the next job (checking on a horse, reporting a result), so the loop is started again once Redis answers,
+and the reconciler, which kept running, re-enqueues whatever the new Redis does not know about.
 """
 
 from __future__ import annotations
@@ -10,18 +14,27 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from typing import Any
 
+from redis.exceptions import RedisError
 from rq import Worker
+from rq.exceptions import StopRequested
 
 from hsx.jobs.queue import queue_for, redis_connection
 from hsx.settings import Settings, get_settings
-from workers.reconciler import ReconcilerThread, expire_leases_of
+from workers.reconciler import FORK_LOCK, ReconcilerThread, expire_leases_of
 
 log = logging.getLogger(__name__)
 
+RESTART_DELAY_SECONDS = 2.0
+
 
 class HsxWorker(Worker):
+    def fork_work_horse(self, job: Any, queue: Any) -> None:
+        with FORK_LOCK:  # never while the reconciler thread is mid-pass (see FORK_LOCK)
+            super().fork_work_horse(job, queue)
+
     def handle_work_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         super().handle_work_horse_killed(job, retpid, ret_val, rusage)  # type: ignore[no-untyped-call]
         owner = f"{socket.gethostname()}:{retpid}@{get_settings().engine_url}"  # as JobRunner names it
@@ -48,14 +61,30 @@ def preload() -> None:
 def run_worker(settings: Settings, burst: bool = False, reconcile: bool = True) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     preload()
-    connection = redis_connection(settings)
-    worker = HsxWorker([queue_for(settings, connection)], connection=connection)
     reconciler = ReconcilerThread(settings) if reconcile else None
     if reconciler is not None:
         reconciler.start()
     try:
-        worker.work(burst=burst, logging_level="INFO", with_scheduler=False)
+        while True:
+            worker: HsxWorker | None = None
+            try:
+                connection = redis_connection(settings)
+                worker = HsxWorker([queue_for(settings, connection)], connection=connection)
+                worker.work(burst=burst, logging_level="INFO", with_scheduler=False)
+            except RedisError as exc:  # registering and tearing down talk to Redis too
+                if burst:
+                    raise
+                log.warning("worker loop ended on a Redis error: %s", exc)
+            asked = worker is not None and worker._shutdown_requested_date is not None  # SIGTERM, SIGINT
+            if burst or asked:
+                return 0
+            log.warning(
+                "worker loop ended unasked (Redis lost?); starting again in %.0fs", RESTART_DELAY_SECONDS
+            )
+            try:
+                time.sleep(RESTART_DELAY_SECONDS)
+            except StopRequested:  # the old loop's signal handler is still installed
+                return 0
     finally:
         if reconciler is not None:
             reconciler.stopped.set()
-    return 0

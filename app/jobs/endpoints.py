@@ -24,7 +24,15 @@ ERRORS: dict[int | str, dict[str, object]] = {
 }
 
 
-@router.post("", response_model=schemas.JobOut, status_code=status.HTTP_201_CREATED, responses=ERRORS)
+@router.post(
+    "",
+    response_model=schemas.JobOut,
+    status_code=status.HTTP_201_CREATED,
+    responses={
+        **ERRORS,
+        200: {"model": schemas.JobOut, "description": "The job an earlier request with this key created"},
+    },
+)
 def submit_job(
     body: schemas.JobCreate,
     response: Response,

@@ -99,7 +99,8 @@ class JobService:
         return job
 
     def get(self, job_id: str) -> Job:
-        job = repo.get_job(self.session, job_id)
+        # An id no job can have (PostgreSQL text cannot hold NUL; ids are 36 characters) is not looked up.
+        job = None if "\x00" in job_id or len(job_id) > 36 else repo.get_job(self.session, job_id)
         if job is None:
             raise NotFound(f"no job {job_id}", error="job_not_found")
         return job

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -56,9 +57,31 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
             ],
             extra={"dataset_uri": job.dataset_uri, "options": dict(job.options)},
         )
-        out.mkdir(parents=True, exist_ok=True)
-        manifest.write(out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            _remove_dead_shard_temps(out)
+            manifest.write(out)
+        except OSError as exc:
+            # A full or read-only disk does not heal by retrying at every reconcile pass: fail, saying why.
+            reason = f"could not write the manifest in {out}: {exc.strerror or exc}"
+            if repo.set_job_state(session, job_id, JobState.failed, [JobState.running.value], error=reason):
+                log.error("job %s failed: %s", job_id, reason)
+            return True
         done = repo.set_job_state(session, job_id, JobState.succeeded, [JobState.running.value])
     if done:
         log.info("job %s succeeded", job_id)
     return True
+
+
+def _remove_dead_shard_temps(out: Path) -> None:
+    """Every unit is done, so a shard's staged or temp file left here belongs to an attempt that crashed
+    (or lost its lease): remove it, or it would stay in the finished output for good."""
+    for path in out.iterdir():
+        name = path.name
+        if (
+            name.startswith(".")
+            and name.lstrip(".").startswith("shard-")
+            and name.endswith((".staged", ".tmp"))
+        ):
+            with contextlib.suppress(OSError):  # best effort: leftovers must not fail the job
+                path.unlink()
