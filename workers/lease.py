@@ -42,7 +42,9 @@ class LeaseKeeper:
             try:
                 with session_scope(self.db_url) as session:
                     if not repo.extend_lease(session, self.unit, self.lease_seconds, time.time()):
-                        log.warning("lease on unit %s attempt %s lost", self.unit.id, self.unit.attempt)
+                        # A beat landing just after this attempt's own commit finds the unit done: not a loss.
+                        if not repo.unit_committed_by(session, self.unit):
+                            log.warning("lease on unit %s attempt %s lost", self.unit.id, self.unit.attempt)
                         self.lost.set()
                         return
                     state = repo.job_state(session, self.unit.job_id)
