@@ -8,22 +8,19 @@ submits is either refused before any connection or served by a test server on 12
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import os
-import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
+from tests.fixtures.live_server import serve_in_thread as serve
 from tests.fixtures.stack import REPO, TEST_TOKEN, Stack, make_stack
 
 SAMPLE = REPO / "data" / "sample_chats.jsonl"
@@ -37,27 +34,6 @@ postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 
 
 # --- a live API ------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """``app`` under a real uvicorn on a free loopback port, in a thread."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 @pytest.fixture

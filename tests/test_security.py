@@ -4,16 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, SecretStr
@@ -21,6 +18,7 @@ from pydantic import BaseModel, SecretStr
 from app.security import BodySizeLimitMiddleware, require_token
 from hsx.errors import HsxError
 from hsx.settings import Settings, get_settings
+from tests.fixtures.live_server import serve_in_thread
 
 TOKEN = "s3cret-token-\u00e9"  # non-ASCII on purpose: compared as bytes
 LIMIT = 1024
@@ -61,26 +59,8 @@ def build_app(settings: Settings) -> tuple[FastAPI, list[str]]:
 
 @pytest.fixture
 def serve() -> Iterator[Callable[[FastAPI], str]]:
-    running: list[tuple[uvicorn.Server, threading.Thread]] = []
-
-    def start(app: FastAPI) -> str:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        running.append((server, thread))
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for server, thread in running:
-        server.should_exit = True
-        thread.join(10)
+    with contextlib.ExitStack() as running:
+        yield lambda app: running.enter_context(serve_in_thread(app))
 
 
 def token_settings(**overrides: object) -> Settings:

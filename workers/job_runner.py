@@ -38,8 +38,10 @@ log = logging.getLogger(__name__)
 SHUTDOWN = threading.Event()
 
 
-def worker_identity() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+def lease_owner(pid: int, engine_url: str) -> str:
+    """Who holds a lease: the process and the engine it feeds, so a dead horse's leases can be found and
+    units can be counted per engine."""
+    return f"{socket.gethostname()}:{pid}@{engine_url}"
 
 
 def shard_path(output_dir: str, unit_index: int) -> Path:
@@ -84,7 +86,7 @@ class JobRunner:
         self.settings = settings
         self.db_url = settings.resolved_database_url
         self.preflight = preflight
-        self.owner = f"{worker_identity()}@{settings.engine_url}"
+        self.owner = lease_owner(os.getpid(), settings.engine_url)
         self._tokenizer_cache: Any = None
         self.client = EngineClient(
             settings.engine_url, timeout=settings.engine_timeout_seconds, retries=settings.engine_retries

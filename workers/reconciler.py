@@ -32,17 +32,8 @@ FORK_LOCK = threading.Lock()
 
 def expire_leases_of(db_url: str, owner: str) -> int:
     """A work horse died: its leases end now instead of at their expiry."""
-    from sqlalchemy import update
-
-    from hsx.db.models import UnitState, WorkUnit
-
     with session_scope(db_url) as session:
-        result = session.execute(
-            update(WorkUnit)
-            .where(WorkUnit.lease_owner == owner, WorkUnit.state == UnitState.leased.value)
-            .values(lease_expires=0.0)
-        )
-        return int(result.rowcount)  # type: ignore[attr-defined]
+        return repo.expire_leases_owned_by(session, owner)
 
 
 def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, int]:

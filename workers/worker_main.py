@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from typing import Any
 
@@ -23,6 +22,7 @@ from rq.exceptions import StopRequested
 
 from hsx.jobs.queue import queue_for, redis_connection
 from hsx.settings import Settings, get_settings
+from workers.job_runner import lease_owner
 from workers.reconciler import FORK_LOCK, ReconcilerThread, expire_leases_of
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class HsxWorker(Worker):
 
     def handle_work_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         super().handle_work_horse_killed(job, retpid, ret_val, rusage)  # type: ignore[no-untyped-call]
-        owner = f"{socket.gethostname()}:{retpid}@{get_settings().engine_url}"  # as JobRunner names it
+        owner = lease_owner(retpid, get_settings().engine_url)
         try:
             n = expire_leases_of(get_settings().resolved_database_url, owner)
             log.warning("work horse %s died (status %s); released %d lease(s)", retpid, ret_val, n)

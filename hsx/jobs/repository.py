@@ -178,6 +178,16 @@ def release_unit(session: Session, unit: ClaimedUnit) -> bool:
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
+def expire_leases_owned_by(session: Session, owner: str) -> int:
+    result = session.execute(
+        update(WorkUnit)
+        .where(WorkUnit.lease_owner == owner, WorkUnit.state == UnitState.leased.value)
+        .values(lease_expires=0.0)
+        .execution_options(synchronize_session=False)
+    )
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
 def unit_committed_by(session: Session, unit: ClaimedUnit) -> bool:
     """After an ambiguous commit (connection lost), tells whether this attempt's commit landed."""
     row = session.execute(select(WorkUnit.state, WorkUnit.attempt).where(WorkUnit.id == unit.id)).first()
