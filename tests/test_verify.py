@@ -22,7 +22,8 @@ PER_PROMPT_CHECKS = (
 
 
 def test_a_cache_free_engine_passes(engine_nocache: RunningEngine) -> None:
-    report = run_verification(engine_nocache.url)
+    # A tag of its own: the session's engines are shared with fault tests that kill workers mid-preflight.
+    report = run_verification(engine_nocache.url, rid_prefix_tag="verify-clean")
     assert report.ok, report.to_dict()
     names = {check.name for check in report.checks}
     assert "engine_info" in names
@@ -30,7 +31,7 @@ def test_a_cache_free_engine_passes(engine_nocache: RunningEngine) -> None:
         assert {f"{label}.{check}" for check in PER_PROMPT_CHECKS} <= names
     assert report.to_dict()["ok"] is True
     # The verification cleans up after itself.
-    assert not [name for name in os.listdir(engine_nocache.dump_dir) if "verify" in name]
+    assert not [name for name in os.listdir(engine_nocache.dump_dir) if "verify-clean" in name]
 
 
 def test_a_prefix_caching_engine_fails_on_cached_tokens(engine_cache: RunningEngine) -> None:
@@ -41,7 +42,7 @@ def test_a_prefix_caching_engine_fails_on_cached_tokens(engine_cache: RunningEng
     cached = failed["prompt_b.cached_tokens"]
     assert cached.expected == 0 and isinstance(cached.actual, int) and cached.actual > 40
     assert "prompt_b.dumped_tokens" in failed
-    assert not [name for name in os.listdir(engine_cache.dump_dir) if "verify" in name]
+    assert not [name for name in os.listdir(engine_cache.dump_dir) if "verify-cache" in name]
 
 
 def test_an_explicit_dump_dir_and_tokenizer_are_used(engine_nocache: RunningEngine, model_dir: Path) -> None:
