@@ -31,6 +31,10 @@ RID_PREFIX = "hsx-"
 META_FILE = "meta.json"
 STATES_FILE = "states.safetensors"
 INFO_PATH = "/hsx/info"
+# The final state before the model's final norm (the last decoder layer's output), captured on request
+# (``--final-state pre|both``); vLLM's extractor and the speculators trainer use it. Dump tensor name:
+PRE_NORM_TENSOR = "final_pre_norm"
+FINAL_STATES = ("post", "pre", "both")
 LAYER_CONVENTION = (
     "eagle3: aux id L = output of decoder layer L = HF hidden_states[L+1]; "
     "final = post-norm output = HF hidden_states[N]"
@@ -84,6 +88,9 @@ class DumpMeta:
     layer_convention: str = LAYER_CONVENTION
     protocol_version: int = PROTOCOL_VERSION
     engine: str = ""
+    # Non-finite values per dump tensor, counted by the engine where the states already are (on the GPU
+    # before the copy); absent when the engine did not count. The worker still checks the bytes it writes.
+    non_finite: dict[str, int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -111,6 +118,11 @@ class EngineInfo:
     prefix_cache: bool
     protocol_version: int = PROTOCOL_VERSION
     layer_convention: str = LAYER_CONVENTION
+    # "post": hidden.<N> is the post-norm final state (the default); "pre": only the pre-norm state is
+    # captured, as PRE_NORM_TENSOR; "both": both.
+    final_state: str = "post"
+    # Engine-specific facts worth recording with a job (version, tensor-parallel size, chunk size, ...).
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
