@@ -30,15 +30,22 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from workers.worker_main import run_worker
+    from workers.worker_main import run_worker, run_worker_processes
 
+    processes = args.processes or get_settings().worker_processes
+    if processes > 1:
+        return run_worker_processes(processes, burst=args.burst, reconcile=not args.no_reconciler)
     return run_worker(get_settings(), burst=args.burst, reconcile=not args.no_reconciler)
 
 
 def cmd_engine(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hsx engine", add_help=False)
-    parser.add_argument("--backend", choices=["reference", "sglang"], default="reference")
+    parser.add_argument("--backend", choices=["reference", "sglang", "synthetic"], default="reference")
     known, rest = parser.parse_known_args(argv)
+    if known.backend == "synthetic":
+        from workers.engines.synthetic.cli import main as synthetic_main
+
+        return synthetic_main(rest)
     if known.backend == "sglang":
         from workers.engines.sglang.launcher import main as sglang_main
 
@@ -163,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run a worker (RQ) with the reconciler")
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.add_argument("--no-reconciler", action="store_true")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="worker processes on this host, each with a unit in flight (default: HSX_WORKER_PROCESSES)",
+    )
     p.set_defaults(func=cmd_worker)
 
     sub.add_parser("engine", help="run an engine: --backend reference|sglang [engine args]", add_help=False)
