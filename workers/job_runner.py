@@ -59,6 +59,10 @@ def staged_path(output_dir: str, unit_index: int, attempt: int) -> Path:
     return Path(output_dir) / f".shard-{unit_index:05d}.a{attempt}.staged"
 
 
+class TokenizerMissing(Exception):
+    """Chat records arrived and the engine's model path (or HSX_TOKENIZER_PATH) holds no tokenizer."""
+
+
 @dataclass
 class Outcome:
     summary: str
@@ -229,12 +233,17 @@ class JobRunner:
         from workers.chat import chat_template_sha256, tokenizer_identity
         from workers.shards import canonical_state_dtype
 
-        tokenizer = self._tokenizer(info)
         record = info.to_dict()
+        record["state_dtype"] = canonical_state_dtype(info.dtype)
+        try:
+            tokenizer = self._tokenizer(info)
+        except (OSError, ValueError) as exc:
+            # Pre-tokenized data needs none; a chat record then fails the job saying so (_TokenizerMissing).
+            record.update(tokenizer={"error": f"no tokenizer at {info.model_path!r}: {exc}"[:500]})
+            record.update(chat_template_sha256="")
+            return record
         record.update(
-            tokenizer=tokenizer_identity(tokenizer),
-            chat_template_sha256=chat_template_sha256(tokenizer),
-            state_dtype=canonical_state_dtype(info.dtype),
+            tokenizer=tokenizer_identity(tokenizer), chat_template_sha256=chat_template_sha256(tokenizer)
         )
         return record
 
@@ -322,9 +331,15 @@ class JobRunner:
         def encoder() -> Any:
             from workers.chat import ChatEncoder
 
-            return ChatEncoder(
-                self._tokenizer(info), bool(options.get("chat_template", True)), options.get("max_length")
-            )
+            try:
+                tokenizer = self._tokenizer(info)
+            except (OSError, ValueError) as exc:
+                path = self.settings.tokenizer_path or info.model_path
+                raise TokenizerMissing(
+                    f"chat records need a tokenizer, and none loads from {path!r} (set HSX_TOKENIZER_PATH, "
+                    f"or send pre-tokenized records): {exc}"
+                ) from exc
+            return ChatEncoder(tokenizer, bool(options.get("chat_template", True)), options.get("max_length"))
 
         return UnitProcessor(
             self.client,
@@ -374,6 +389,10 @@ class JobRunner:
             self._release(unit)
             self._fail(f"dataset {exc.reason}: {exc.detail}")
             return Outcome("dataset unreadable", False)
+        except TokenizerMissing as exc:
+            self._release(unit)
+            self._fail(str(exc))
+            return Outcome("no tokenizer", False)
         if not committed:
             return Outcome(f"unit {unit.unit_index} lease lost; nothing committed", True)
         return Outcome(

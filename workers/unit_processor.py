@@ -203,6 +203,10 @@ class UnitProcessor:
         except SampleRejected as exc:
             result.rejections.append(RejectionRow(pending.index, exc.reason, exc.detail))
             return stream
+        except BaseException:
+            if stream is not None:  # made here, so the caller does not know it yet
+                stream.discard()
+            raise
         finally:
             self._drop(outcome)
         result.samples_done += 1
