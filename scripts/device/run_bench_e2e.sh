@@ -19,6 +19,9 @@ T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/steps.log"; }
 PROCESSES=${PROCESSES:-8}
 CONCURRENCY=${CONCURRENCY:-8}
+# The plugin's dump writer threads: at 4 they lag the GPU on an 8B model (docs/sglang.md).
+export HSX_SGLANG_WRITER_THREADS=${WRITERS:-8}
+SETS=${SETS:-both}
 
 source .sglang-bundle/install-on-device.sh .sglang-bundle > "$OUT/install.log" 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/hsx-site .whl/*.whl >> "$OUT/install.log" 2>&1
@@ -54,7 +57,7 @@ curl -sf localhost:30000/hsx/info > "$OUT/info.json" || { say "engine failed"; t
 say "engine up"
 
 timeout 420 python3 -m hsx.cli bench e2e --engine-url http://127.0.0.1:30000 --processes "$PROCESSES" \
-  --concurrency "$CONCURRENCY" 2> "$OUT/bench_e2e.log" | tee "$OUT/bench_e2e.txt"
+  --concurrency "$CONCURRENCY" --set "$SETS" 2> "$OUT/bench_e2e.log" | tee "$OUT/bench_e2e.txt"
 say "bench exit ${PIPESTATUS[0]}"
 tail -1 "$OUT/bench_e2e.txt" > "$OUT/bench_e2e.json"
 kill -TERM -- -"$SERVER" 2> /dev/null
