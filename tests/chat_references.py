@@ -36,6 +36,21 @@ def _last_user(messages: list[Message]) -> int:
     return max((k for k, m in enumerate(messages) if m["role"] == "user"), default=-1)
 
 
+def smollm2(messages: list[Message], **_: Any) -> Pieces:
+    """The default model's own ChatML template: tool calls are not shown, a default system turn is added."""
+    pieces: Pieces = []
+    if messages[0]["role"] != "system":
+        default = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        pieces.append((f"<|im_start|>system\n{default}<|im_end|>\n", False))
+    for message in messages:
+        role, content = message["role"], message["content"]
+        if role == "assistant":
+            pieces += [("<|im_start|>assistant\n", False), (content + "<|im_end|>\n", True)]
+        else:
+            pieces.append((f"<|im_start|>{role}\n{content}<|im_end|>\n", False))
+    return pieces
+
+
 def llama3(messages: list[Message], **_: Any) -> Pieces:
     system = messages[0]["content"].strip() if messages[0]["role"] == "system" else ""
     pieces: Pieces = [
@@ -215,6 +230,7 @@ def kimi_k2(messages: list[Message], **_: Any) -> Pieces:
 
 
 REFERENCES: dict[str, Callable[..., Pieces]] = {
+    "smollm2": smollm2,
     "llama3": llama3,
     "qwen3": qwen3,
     "gpt_oss": gpt_oss,
@@ -224,6 +240,7 @@ REFERENCES: dict[str, Callable[..., Pieces]] = {
 
 # The markers each family's tokenizer knows as single tokens (special ones end turns; Qwen's are not special).
 SPECIAL_MARKERS: dict[str, tuple[list[str], list[str]]] = {
+    "smollm2": ([], []),
     "llama3": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], []),
     "qwen3": (
         [],

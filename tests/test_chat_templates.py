@@ -99,6 +99,7 @@ RECORDS: dict[str, dict[str, Any]] = {
 
 # (family, template variables, records): thinking on and off where the family has the switch.
 CASES: list[tuple[str, dict[str, Any], list[str]]] = [
+    ("smollm2", {}, list(RECORDS)),
     ("llama3", {}, list(RECORDS)),
     ("qwen3", {}, list(RECORDS)),
     ("qwen3", {"enable_thinking": False}, ["plain", "tools_without_reasoning", "short"]),
@@ -128,7 +129,8 @@ def _family_tokenizer(base: Any, family: str) -> Any:
     tokenizer.add_tokens(markers)
     if family in BOS:
         tokenizer.bos_token = BOS[family]
-    tokenizer.chat_template = (TEMPLATES / f"{family}.jinja").read_text(encoding="utf-8")
+    if family != "smollm2":  # the default model's tokenizer keeps its own template
+        tokenizer.chat_template = (TEMPLATES / f"{family}.jinja").read_text(encoding="utf-8")
     return tokenizer
 
 
