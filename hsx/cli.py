@@ -25,7 +25,23 @@ def _print(doc: Any) -> None:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run("app.main:app", host=args.host, port=args.port, log_level="info")
+    from app.security import serving_refusal
+
+    settings = get_settings()
+    refusal = serving_refusal(args.host, settings)
+    if refusal:
+        print(f"hsx api: {refusal}", file=sys.stderr)
+        return 2
+    trusted_proxies = settings.forwarded_allow_ips.strip()
+    uvicorn.run(
+        "app.main:app",
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        # Forwarded headers rewrite the client address; they count only from proxies named in the settings.
+        proxy_headers=bool(trusted_proxies),
+        forwarded_allow_ips=trusted_proxies or None,
+    )
     return 0
 
 
@@ -38,10 +54,42 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(get_settings(), burst=args.burst, reconcile=not args.no_reconciler)
 
 
+def _engine_parser(backends: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hsx engine",
+        add_help=False,
+        description="Run an engine that serves hidden-state capture: hsx engine [--backend NAME] [ARGS].",
+        epilog="Every other argument goes to the backend.",
+    )
+    parser.add_argument(
+        "--backend", choices=backends, default="reference", help="which engine to run (default: reference)"
+    )
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    return parser
+
+
+def _engine_help(parser: argparse.ArgumentParser, backend: str) -> int:
+    parser.print_help()
+    print()
+    if backend == "sglang":
+        print("SGLang's own arguments: python -m sglang.launch_server --help; the hsx flags: --hsx-help")
+        return 0
+    if backend == "synthetic":
+        from workers.engines.synthetic.cli import build_parser as backend_parser
+    else:
+        from workers.engines.reference.cli import build_parser as backend_parser
+    print(f"The {backend} backend's arguments:")
+    backend_help = backend_parser()
+    backend_help.prog = f"hsx engine --backend {backend}"
+    backend_help.print_help()
+    return 0
+
+
 def cmd_engine(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hsx engine", add_help=False)
-    parser.add_argument("--backend", choices=["reference", "sglang", "synthetic"], default="reference")
+    parser = _engine_parser(["reference", "sglang", "synthetic"])
     known, rest = parser.parse_known_args(argv)
+    if known.help:
+        return _engine_help(parser, known.backend)
     if known.backend == "synthetic":
         from workers.engines.synthetic.cli import main as synthetic_main
 
