@@ -22,7 +22,11 @@ def _print(doc: Any) -> None:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run("app.main:app", host=args.host, port=args.port, log_level="info")
+    from hsx.logging_setup import configure_logging
+
+    settings = get_settings()
+    configure_logging(settings.log_format, settings.log_level)
+    uvicorn.run("app.main:app", host=args.host, port=args.port, log_config=None)
     return 0
 
 

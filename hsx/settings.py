@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -55,6 +56,10 @@ class Settings(BaseSettings):
     http_timeout_seconds: float = 30.0  # connect and per-read timeout of one dataset download
     http_download_deadline_seconds: float = 1800.0  # whole download, so a trickling server cannot hold on
     max_sample_tokens: int = 131072
+
+    # Logs: "json" (one object a line) or "text" (key=value); both carry job, unit, attempt and rid.
+    log_format: Literal["json", "text"] = "text"
+    log_level: str = "INFO"
 
     @property
     def resolved_database_url(self) -> str:
