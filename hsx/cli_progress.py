@@ -58,9 +58,8 @@ class Api:
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
-            resp = httpx.request(
-                method, self.url.rstrip("/") + path, headers=self.headers, timeout=self.timeout, **kwargs
-            )
+            kwargs.setdefault("timeout", self.timeout)
+            resp = httpx.request(method, self.url.rstrip("/") + path, headers=self.headers, **kwargs)
         except httpx.HTTPError as exc:
             raise ApiError(EXIT_UNREACHABLE, f"API unreachable at {self.url}: {exc}") from exc
         try:
@@ -284,17 +283,13 @@ def job_table(doc: dict[str, Any]) -> Table:
 
 def jobs_table(page: dict[str, Any]) -> Table:
     table = Table(title=f"{page.get('total', 0)} jobs", title_justify="left")
-    for name, justify in [
-        ("job", "left"),
-        ("state", "left"),
-        ("progress", "right"),
-        ("samples", "right"),
-        ("rejected", "right"),
-        ("tok/s", "right"),
-        ("created", "left"),
-        ("dataset", "left"),
-    ]:
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    # The id is what a user copies into the next command: never cut; the dataset path gives way instead.
+    table.add_column("job", no_wrap=True, min_width=36)
+    table.add_column("state", no_wrap=True)
+    for name in ("progress", "samples", "rejected", "tok/s"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("created", no_wrap=True)
+    table.add_column("dataset", overflow="ellipsis", no_wrap=True, ratio=1)
     for job in page.get("items", []):
         p = job.get("progress", {})
         rate = p.get("tokens_per_second")
