@@ -162,10 +162,10 @@ def _probe_url(service: dict[str, Any]) -> tuple[int, str]:
 
 
 def test_healthchecks_hit_real_routes(compose: dict[str, Any]) -> None:
+    from fastapi.testclient import TestClient
+
     from app.main import create_app
     from workers.engines.reference.server import create_app as engine_app
-
-    from fastapi.testclient import TestClient
 
     services = compose["services"]
     port, path = _probe_url(services["api"])
