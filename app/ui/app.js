@@ -32,10 +32,19 @@ function el(tag, attrs, ...children) {
   return node;
 }
 
+const NOTICE_MS = 8000;
+let noticeUntil = 0;
+
 function setStatus(text, bad) {
   const s = document.getElementById("status");
   s.textContent = text;
   s.className = bad ? "bad" : "muted";
+}
+
+// What an action did (or why it failed) stays up for a while instead of the next refresh's timestamp.
+function notice(text, bad) {
+  setStatus(text, bad);
+  noticeUntil = Date.now() + NOTICE_MS;
 }
 
 function fmtSeconds(s) {
@@ -61,7 +70,7 @@ function bar(fraction) {
 
 function failed(what, resp) {
   const detail = resp.doc && resp.doc.detail ? resp.doc.detail : "HTTP " + resp.status;
-  setStatus(what + ": " + detail, true);
+  notice(what + ": " + detail, true);
 }
 
 // --- jobs -------------------------------------------------------------------------------------------------
@@ -69,7 +78,7 @@ function failed(what, resp) {
 async function cancelJob(id) {
   const resp = await api("POST", "/jobs/" + encodeURIComponent(id) + "/cancel");
   if (!resp.ok) return failed("cancel", resp);
-  setStatus("job " + id.slice(0, 8) + " cancelled");
+  notice("job " + id.slice(0, 8) + " cancelled");
   refresh();
 }
 
@@ -79,7 +88,7 @@ async function retryJob(id) {
   if (!job.ok) return failed("retry", job);
   const resp = await api("POST", "/jobs", { dataset_uri: job.doc.dataset_uri, options: job.doc.options });
   if (!resp.ok) return failed("retry", resp);
-  setStatus("job " + id.slice(0, 8) + " resubmitted as " + resp.doc.id.slice(0, 8));
+  notice("job " + id.slice(0, 8) + " resubmitted as " + resp.doc.id.slice(0, 8));
   selectedJob = resp.doc.id;
   refresh();
 }
@@ -121,8 +130,10 @@ async function loadJobs() {
 async function loadJob() {
   const panel = document.getElementById("job-panel");
   if (!selectedJob) { panel.hidden = true; return; }
-  const id = encodeURIComponent(selectedJob);
+  const wanted = selectedJob;
+  const id = encodeURIComponent(wanted);
   const [job, units] = await Promise.all([api("GET", "/jobs/" + id), api("GET", "/jobs/" + id + "/units")]);
+  if (wanted !== selectedJob) return;  // another job was picked meanwhile: a later refresh draws it
   if (!job.ok) { panel.hidden = true; return; }
   panel.hidden = false;
   const doc = job.doc;
@@ -183,7 +194,7 @@ async function loadEngines() {
 async function refresh() {
   try {
     if (await loadJobs()) {
-      setStatus("updated " + new Date().toLocaleTimeString());
+      if (Date.now() > noticeUntil) setStatus("updated " + new Date().toLocaleTimeString());
       await Promise.all([loadJob(), loadEngines()]);
     }
   } catch (err) {
@@ -195,6 +206,7 @@ document.getElementById("token-form").addEventListener("submit", (e) => {
   e.preventDefault();
   sessionStorage.setItem(TOKEN_KEY, document.getElementById("token").value.trim());
   document.getElementById("token").value = "";
+  noticeUntil = 0;
   refresh();
 });
 refresh();
