@@ -71,7 +71,7 @@ SAMPLES_TRUNCATED = MetricSpec(
 SAMPLE_RETRIES = MetricSpec(
     "hsx_sample_retries",
     "counter",
-    "Sample captures tried again after a failed validation, by reason.",
+    "Capture attempts that failed validation, by reason (a first failure is retried, a second rejects).",
     label="reason",
 )
 ENGINE_ERRORS = MetricSpec(
@@ -237,7 +237,7 @@ def samples_truncated(n: int = 1) -> None:
 
 
 def sample_retried(reason: str) -> None:
-    """A capture failed validation with ``reason`` and is tried again."""
+    """A capture attempt failed validation with ``reason`` (it is retried, or the sample rejected)."""
     _count(SAMPLE_RETRIES, 1, reason)
 
 
