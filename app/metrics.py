@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session
 
 from app.deps import SessionDep, SettingsDep
+from app.jobs.schemas import ErrorOut
 from hsx import job_stats, telemetry
 from hsx.jobs.queue import queue_for, redis_connection
 from hsx.settings import Settings
@@ -175,6 +176,10 @@ def render(snap: Snapshot) -> bytes:
     return generate_latest(registry)
 
 
-@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}, 401: {"model": ErrorOut}},
+)
 def metrics(session: SessionDep, settings: SettingsDep) -> Response:
     return Response(render(take_snapshot(session, settings)), media_type=CONTENT_TYPE_LATEST)
