@@ -222,20 +222,16 @@ def test_the_api_imports_no_torch() -> None:
 
 def test_the_package_ships_the_dashboard(tmp_path: Path) -> None:
     """The images install hsx from source (not editable): the dashboard's files must be in the wheel."""
+    source = tmp_path / "src"  # built from a copy: setuptools leaves build/ behind in its source folder
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for package in ("hsx", "app", "workers", "migrations"):
+        shutil.copytree(REPO / package, source / package, ignore=ignore)
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            ".",
-        ],
-        cwd=REPO,
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
+        + [str(source)],
         capture_output=True,
         text=True,
         timeout=300,
