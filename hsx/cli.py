@@ -5,12 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 from hsx.settings import get_settings
-
-FINAL_STATES = {"succeeded", "failed", "cancelled"}
 
 
 def _client_headers() -> dict[str, str]:
@@ -26,18 +23,20 @@ def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.security import serving_refusal
+    from hsx.logging_setup import configure_logging
 
     settings = get_settings()
     refusal = serving_refusal(args.host, settings)
     if refusal:
         print(f"hsx api: {refusal}", file=sys.stderr)
         return 2
+    configure_logging(settings.log_format, settings.log_level)
     trusted_proxies = settings.forwarded_allow_ips.strip()
     uvicorn.run(
         "app.main:app",
         host=args.host,
         port=args.port,
-        log_level="info",
+        log_config=None,
         # Forwarded headers rewrite the client address; they count only from proxies named in the settings.
         proxy_headers=bool(trusted_proxies),
         forwarded_allow_ips=trusted_proxies or None,
@@ -115,64 +114,97 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_for_job(api_url: str, job_id: str, timeout: float, quiet: bool = False) -> dict[str, Any]:
-    import httpx
+def _api(url: str) -> Any:
+    from hsx.cli_progress import Api
 
-    deadline = time.monotonic() + timeout
-    last = ""
-    while True:
-        doc: dict[str, Any] = httpx.get(
-            f"{api_url}/jobs/{job_id}", headers=_client_headers(), timeout=30
-        ).json()
-        p = doc.get("progress", {})
-        line = (
-            f"{doc.get('state')}: {p.get('samples_done')}/{p.get('samples_total')} done, "
-            f"{p.get('samples_rejected')} rejected"
-        )
-        if line != last and not quiet:
-            print(line, file=sys.stderr)
-            last = line
-        if doc.get("state") in FINAL_STATES or time.monotonic() > deadline:
-            return doc
-        time.sleep(0.5)
+    return Api(url, _client_headers())
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    import httpx
+    from hsx import cli_progress as ui
 
     options: dict[str, Any] = {
         "chat_template": not args.no_chat_template,
         "samples_per_shard": args.samples_per_shard,
     }
-    if args.max_length:
+    if args.max_length is not None:
         options["max_length"] = args.max_length
     if args.aux_layers:
         options["aux_layers"] = [int(x) for x in args.aux_layers.split(",")]
-    headers = _client_headers()
+    api = _api(args.api_url)
     if args.idempotency_key:
-        headers["Idempotency-Key"] = args.idempotency_key
-    resp = httpx.post(
-        f"{args.api_url}/jobs",
-        json={"dataset_uri": args.dataset, "options": options},
-        headers=headers,
-        timeout=120,
-    )
-    doc = resp.json()
-    if resp.status_code >= 400:
-        _print(doc)
-        return 2
-    if args.wait:
-        doc = wait_for_job(args.api_url, doc["id"], args.timeout)
-    _print(doc)
-    return 0 if not args.wait or doc.get("state") == "succeeded" else 1
+        api.headers["Idempotency-Key"] = args.idempotency_key
+    body = {"dataset_uri": ui.local_dataset_uri(args.dataset), "options": options}
+    try:
+        doc = api.call("POST", "/jobs", json=body, timeout=120)
+        if args.wait:
+            doc = ui.watch(api, doc["id"], args.timeout, args.interval, show=not args.json)
+    except ui.ApiError as exc:
+        return ui.print_error(exc, args.json)
+    _show_job(doc, args.json)
+    return ui.exit_code_for_state(doc.get("state"), waiting=True) if args.wait else ui.EXIT_SUCCEEDED
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from hsx import cli_progress as ui
+
+    try:
+        doc = ui.watch(_api(args.api_url), args.job_id, args.timeout, args.interval, show=not args.json)
+    except ui.ApiError as exc:
+        return ui.print_error(exc, args.json)
+    _show_job(doc, args.json)
+    return ui.exit_code_for_state(doc.get("state"), waiting=True)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import httpx
+    from hsx import cli_progress as ui
 
-    resp = httpx.get(f"{args.api_url}/jobs/{args.job_id}", headers=_client_headers(), timeout=30)
-    _print(resp.json())
-    return 0 if resp.status_code == 200 else 1
+    try:
+        doc = _api(args.api_url).call("GET", f"/jobs/{args.job_id}")
+    except ui.ApiError as exc:
+        return ui.print_error(exc, args.json)
+    _show_job(doc, args.json)
+    return ui.exit_code_for_state(doc.get("state"), waiting=False)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from hsx import cli_progress as ui
+
+    params: dict[str, Any] = {"limit": args.limit, "offset": args.offset}
+    if args.state:
+        params["state"] = args.state
+    try:
+        page = _api(args.api_url).call("GET", "/jobs", params=params)
+    except ui.ApiError as exc:
+        return ui.print_error(exc, args.json)
+    if args.json:
+        ui.print_json(page)
+    else:
+        from rich.console import Console
+
+        Console().print(ui.jobs_table(page))
+    return ui.EXIT_SUCCEEDED
+
+
+def _show_job(doc: dict[str, Any], as_json: bool) -> None:
+    from hsx import cli_progress as ui
+
+    if as_json:
+        ui.print_json(doc)
+    else:
+        from rich.console import Console
+
+        Console().print(ui.job_table(doc))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, not {value}")
+    return value
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -262,22 +294,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("revision", nargs="?")
     p.set_defaults(func=cmd_db)
 
-    p = sub.add_parser("submit", help="submit a dataset")
+    json_help = "print the JSON document only (for scripts)"
+    p = sub.add_parser("submit", help="submit a dataset (a relative path is sent as an absolute one)")
     p.add_argument("dataset")
     p.add_argument("--api-url", default=settings.api_url)
-    p.add_argument("--wait", action="store_true")
+    p.add_argument("--wait", action="store_true", help="draw a progress bar until the job ends")
     p.add_argument("--timeout", type=float, default=24 * 3600)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between polls while waiting")
     p.add_argument("--no-chat-template", action="store_true")
-    p.add_argument("--max-length", type=int)
+    p.add_argument("--max-length", type=_positive_int, help="truncate samples to this many tokens (> 0)")
     p.add_argument("--aux-layers")
     p.add_argument("--samples-per-shard", type=int, default=64)
     p.add_argument("--idempotency-key")
+    p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("watch", help="draw a job's progress until it ends")
+    p.add_argument("job_id")
+    p.add_argument("--api-url", default=settings.api_url)
+    p.add_argument("--timeout", type=float, default=24 * 3600)
+    p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.set_defaults(func=cmd_watch)
 
     p = sub.add_parser("status", help="show a job")
     p.add_argument("job_id")
     p.add_argument("--api-url", default=settings.api_url)
+    p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("jobs", help="list jobs, newest first")
+    p.add_argument("--state", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--api-url", default=settings.api_url)
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.set_defaults(func=cmd_jobs)
 
     p = sub.add_parser("verify", help="prove the engine cannot hand out truncated states")
     p.add_argument("--engine-url")

@@ -6,7 +6,7 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -87,6 +87,10 @@ class Settings(BaseSettings):
     http_timeout_seconds: float = 30.0  # connect and per-read timeout of one dataset download
     http_download_deadline_seconds: float = 1800.0  # whole download, so a trickling server cannot hold on
     max_sample_tokens: int = 131072
+
+    # Logs: "json" (one object a line) or "text" (key=value); both carry job, unit, attempt and rid.
+    log_format: Literal["json", "text"] = "text"
+    log_level: str = "INFO"
 
     @field_validator("allowed_uri_schemes", "dataset_roots", "allowed_buckets", mode="before")
     @classmethod
