@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hsx import telemetry
 from hsx.contract import PRE_NORM_TENSOR, RID_PREFIX, EngineInfo, tensor_name
 from hsx.jobs.repository import ClaimedUnit, RejectionRow
 from hsx.safetensors_io import DTYPE_SIZES
@@ -174,6 +176,8 @@ class UnitProcessor:
             sample = self._encoder.encode(raw)
         except EncodeError as exc:
             return RejectionRow(index, exc.reason, exc.detail)
+        if sample.truncated:
+            telemetry.samples_truncated(1)
         return sample.input_ids, sample.loss_mask
 
     def _collect(
@@ -232,10 +236,14 @@ class UnitProcessor:
             f"{RID_PREFIX}{unit.job_id[:8]}-u{unit.unit_index}a{unit.attempt}-s{index}-{uuid.uuid4().hex[:8]}"
         )
         extra_key = rid if self.namespace_cache_per_request else None
+        started = time.monotonic()
         try:
             response = self.client.prefill(ids, rid, extra_key=extra_key)
         except EngineRejected as exc:
+            telemetry.engine_error("rejected")
             return RejectionRow(index, "engine_rejected", str(exc))
+        finally:
+            telemetry.engine_request(time.monotonic() - started)
         meta_info = response.get("meta_info", {})
         return _Sent(rid, int(meta_info.get("cached_tokens", 0) or 0))
 
@@ -254,13 +262,16 @@ class UnitProcessor:
             if isinstance(opened, DumpFile):
                 return opened
             last = opened
+            telemetry.sample_retried(last.reason)
             log.info("sample %s: %s (%s)", pending.index, last.reason, last.detail)
         return RejectionRow(pending.index, last.reason, last.detail)
 
     def _open_checked(self, pending: _Pending, sent: _Sent) -> DumpFile | SampleRejected:
         dump: DumpFile | None = None
+        started = time.monotonic()
         try:
             dump = open_dump(self.dump_dir, sent.rid, self.dump_wait_seconds)
+            telemetry.dump_wait(time.monotonic() - started)
             shapes = {name: spec.shape for name, spec in dump.state_specs().items()}
             check_dump(
                 dump.meta,
