@@ -157,3 +157,46 @@ def test_prompts_are_fixed_per_architecture() -> None:
     a = arch_matrix.prompts_for("llama", 1000)
     assert a == arch_matrix.prompts_for("llama", 1000) != arch_matrix.prompts_for("qwen3", 1000)
     assert [len(p) for p in a] == arch_matrix.LENS and all(10 <= t < 1000 for p in a for t in p)
+
+
+@pytest.mark.timeout(300)
+def test_the_matrix_runs_end_to_end_with_the_reference_engine_in_place_of_sglang(tmp_path: Path) -> None:
+    """``arch_matrix.py --dry-run-cpu``: the device script's whole flow (model, server, mixed traffic,
+    references, evaluation, table) with the reference engine serving a tiny Llama at ``--final-state pre``."""
+    import json
+    import subprocess
+    import time
+
+    from hsx.local_stack import free_port
+
+    out = tmp_path / "out"
+    out.mkdir()
+    script = Path(arch_matrix.__file__)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--out",
+            str(out),
+            "--deadline",
+            str(time.time() + 240),
+            "--archs",
+            "llama",
+            "--work",
+            str(tmp_path / "work"),
+            "--dump-root",
+            str(tmp_path / "dumps"),
+            "--base-port",
+            str(free_port()),
+            "--dry-run-cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads((out / "matrix.json").read_text())["llama"]
+    assert res["status"] == "done", res
+    assert res["counts_ok"] and res["layers_ok"] and res["health"] == [200, 200]
+    assert sorted(res["layers"]) == sorted(dump_tensor_names(HF, "pre"))
+    assert "| llama | pre | final_pre_norm |" in (out / "table.md").read_text()

@@ -53,6 +53,9 @@ SERVER_FLAGS = [
 ]  # fmt: skip
 POOL_MARK = "Memory pool end"  # SGLang's log line once the KV pool is allocated
 GPU = "cuda"
+# --dry-run-cpu: tiny models on CPU, each served by the reference engine instead of SGLang (it speaks the
+# same protocol and takes --final-state); exercises this script end to end where no GPU is.
+DRY_RUN = {"on": False}
 
 
 def log(msg: str) -> None:
@@ -78,11 +81,13 @@ def load_dump(dump_dir: str, rid: str) -> tuple[contract.DumpMeta, dict[str, Any
 
 
 class ArchRun:
-    def __init__(self, index: int, name: str, work: str, out: str) -> None:
+    def __init__(
+        self, index: int, name: str, work: str, out: str, dump_root: str = "/dev/shm/hsx-matrix"
+    ) -> None:
         self.index, self.name = index, name
         self.port = BASE_PORT + index
         self.model_dir = os.path.join(work, "models", name)
-        self.dump_dir = f"/dev/shm/hsx-matrix/{name}"
+        self.dump_dir = os.path.join(dump_root, name)
         self.log_path = os.path.join(out, "logs", f"server_{name}.log")
         self.final_state = am.FINAL_STATE[name]
         self.model_ready, self.refs_ready, self.pool_done = (
@@ -111,12 +116,17 @@ class ArchRun:
         self.t0 = time.monotonic()
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         subprocess.run(["rm", "-rf", self.dump_dir], check=False)
-        cmd = [sys.executable, "-m", "workers.engines.sglang.launcher", "--model-path", self.model_dir]
+        if DRY_RUN["on"]:
+            cmd = [sys.executable, "-m", "workers.engines.reference.cli", "--model", self.model_dir]
+            flags = ["--disable-prefix-cache", "--dtype", "bfloat16", "--device", "cpu", "--threads", "1"]
+        else:
+            cmd = [sys.executable, "-m", "workers.engines.sglang.launcher", "--model-path", self.model_dir]
+            flags = SERVER_FLAGS
         cmd += ["--port", str(self.port), "--dump-dir", self.dump_dir, "--final-state", self.final_state]
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         with open(self.log_path, "wb") as fh:
             self.proc = subprocess.Popen(
-                cmd + SERVER_FLAGS,
+                cmd + flags,
                 cwd=ROOT,
                 stdout=fh,
                 stderr=subprocess.STDOUT,
@@ -167,7 +177,7 @@ def serve_and_check(run: ArchRun, prev: ArchRun | None, deadline: float) -> None
         gate = time.time() + (240 if prev is None else 120)
 
         def pool_sized() -> bool:
-            return POOL_MARK in run.log_tail(400)
+            return DRY_RUN["on"] or POOL_MARK in run.log_tail(400)
 
         wait_until(pool_sized, min(gate, deadline), run.proc, 1.0)
         run.pool_done.set()  # the next server may size its pool now (or this one failed: no point waiting)
@@ -222,9 +232,8 @@ def check(run: ArchRun, client: Client, deadline: float) -> None:
         list(ex.map(send, jobs))
     cap = [arg for kind, arg in jobs if kind == "cap"]
     cap.sort(key=lambda x: int(x[0].split("-")[-2]))
-    run.result["drain_s"] = wait_for_dumps(
-        run.dump_dir, [rid for rid, _ in cap], min(60, deadline - time.time())
-    )
+    drain = wait_for_dumps(run.dump_dir, [rid for rid, _ in cap], min(60, deadline - time.time()))
+    run.result["drain_s"] = None if drain is None else round(drain, 3)
     run.result.update(evaluate(run, info, cap, responses))
     run.result["status"] = "done"
     log(f"{run.name}: checked; counts_ok={run.result['counts_ok']} layers_ok={run.result['layers_ok']}")
@@ -292,11 +301,20 @@ def main() -> int:
     p.add_argument("--deadline", type=float, required=True, help="epoch seconds: stop everything by then")
     p.add_argument("--archs", default=",".join(am.ARCHS))
     p.add_argument("--work", default="/tmp/hsx-matrix")
+    p.add_argument("--base-port", type=int, default=BASE_PORT)
+    p.add_argument("--dump-root", default="/dev/shm/hsx-matrix")
+    p.add_argument("--dry-run-cpu", action="store_true", help="tiny models, reference engine, CPU")
     a = p.parse_args()
+    if a.dry_run_cpu:
+        global GPU
+        GPU = "cpu"
+        DRY_RUN["on"] = True
     # `timeout` sends SIGTERM: leave through the finally below, which stops the servers and writes the table
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     names = [n for n in a.archs.split(",") if n]
-    runs = [ArchRun(i, n, a.work, a.out) for i, n in enumerate(names)]
+    runs = [ArchRun(i, n, a.work, a.out, a.dump_root) for i, n in enumerate(names)]
+    for r in runs:
+        r.port = a.base_port + r.index
     threads = [
         threading.Thread(
             target=serve_and_check, args=(r, runs[i - 1] if i else None, a.deadline), daemon=True
@@ -311,7 +329,7 @@ def main() -> int:
 
         for r in runs:
             try:
-                cfg = am.make_model(r.name, r.model_dir, device=GPU)
+                cfg = am.make_model(r.name, r.model_dir, device=GPU, tiny=DRY_RUN["on"])
                 r.prompts = prompts_for(r.name, cfg.vocab_size)
                 r.result["status"] = "model ready"
             except Exception as exc:  # noqa: BLE001

@@ -147,7 +147,14 @@ class Capture:
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         from workers.engines.sglang.launch_args import engine_extra
 
-        return cls(cfg, torch, model, num_layers, hidden, dtype, device, engine_extra(server_args))
+        try:  # the running SGLang's own word (a source checkout may have no package metadata)
+            import sglang
+
+            version = getattr(sglang, "__version__", None)
+        except Exception:
+            version = None
+        extra = engine_extra(server_args, version)
+        return cls(cfg, torch, model, num_layers, hidden, dtype, device, extra)
 
     # ---- hooks ------------------------------------------------------------------------------------
 
