@@ -30,15 +30,22 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from workers.worker_main import run_worker
+    from workers.worker_main import run_worker, run_worker_processes
 
+    processes = args.processes or get_settings().worker_processes
+    if processes > 1:
+        return run_worker_processes(processes, burst=args.burst, reconcile=not args.no_reconciler)
     return run_worker(get_settings(), burst=args.burst, reconcile=not args.no_reconciler)
 
 
 def cmd_engine(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hsx engine", add_help=False)
-    parser.add_argument("--backend", choices=["reference", "sglang"], default="reference")
+    parser.add_argument("--backend", choices=["reference", "sglang", "synthetic"], default="reference")
     known, rest = parser.parse_known_args(argv)
+    if known.backend == "synthetic":
+        from workers.engines.synthetic.cli import main as synthetic_main
+
+        return synthetic_main(rest)
     if known.backend == "sglang":
         from workers.engines.sglang.launcher import main as sglang_main
 
@@ -150,6 +157,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+BENCHES = ("pipeline", "e2e", "memory", "api", "scale")
+
+
+def cmd_bench(argv: list[str]) -> int:
+    """``hsx bench NAME [args]``: run ``bench/NAME.py`` of this checkout (benchmarks are not installed)."""
+    import runpy
+    from pathlib import Path
+
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: hsx bench {{{','.join(BENCHES)}}} [args]  (each takes --help)", file=sys.stderr)
+        return 2
+    script = Path(__file__).resolve().parents[1] / "bench" / f"{argv[0]}.py"
+    if not script.is_file():
+        print(f"hsx bench: {script} is missing (benchmarks run from a source checkout)", file=sys.stderr)
+        return 2
+    sys.argv = [f"hsx bench {argv[0]}", *argv[1:]]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        if isinstance(exc.code, int) or exc.code is None:
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="hsx", description=__doc__)
@@ -163,9 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run a worker (RQ) with the reconciler")
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.add_argument("--no-reconciler", action="store_true")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="worker processes on this host, each with a unit in flight (default: HSX_WORKER_PROCESSES)",
+    )
     p.set_defaults(func=cmd_worker)
 
-    sub.add_parser("engine", help="run an engine: --backend reference|sglang [engine args]", add_help=False)
+    sub.add_parser(
+        "engine", help="run an engine: --backend reference|sglang|synthetic [engine args]", add_help=False
+    )
+    sub.add_parser("bench", help=f"run a benchmark: {', '.join(BENCHES)} (from a checkout)", add_help=False)
 
     p = sub.add_parser("db", help="database migrations")
     p.add_argument("action", choices=["upgrade", "downgrade"])
@@ -211,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["engine"]:
         return cmd_engine(argv[1:])
+    if argv[:1] == ["bench"]:
+        return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

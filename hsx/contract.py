@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from hsx import safetensors_io
+from hsx.safetensors_io import DTYPE_SIZES as DTYPE_SIZES  # re-exported for callers of the contract
 
 PROTOCOL_VERSION = 1
 RID_PREFIX = "hsx-"
@@ -39,9 +41,6 @@ LAYER_CONVENTION = (
     "eagle3: aux id L = output of decoder layer L = HF hidden_states[L+1]; "
     "final = post-norm output = HF hidden_states[N]"
 )
-
-# safetensors dtype names and their item sizes; bf16 is kept as raw 2-byte words here.
-DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
 
 
 def eagle3_aux_layer_ids(num_layers: int) -> list[int]:
@@ -145,32 +144,12 @@ def generate_body(input_ids: Sequence[int], rid: str, extra_key: str | None = No
     return body
 
 
-# --- minimal safetensors (no pickle, no torch) -------------------------------------------------------
+# --- safetensors, through the one codec in hsx.safetensors_io (no pickle, no torch) -----------------
 
 
 def write_safetensors(path: str, tensors: Iterable[tuple[str, str, Sequence[int], bytes]]) -> None:
     """Write ``(name, dtype, shape, raw little-endian bytes)`` tuples as a safetensors file, fsynced."""
-    header: dict[str, Any] = {}
-    blobs: list[bytes] = []
-    offset = 0
-    for name, dtype, shape, data in tensors:
-        expected = DTYPE_SIZES[dtype]
-        for dim in shape:
-            expected *= dim
-        if len(data) != expected:
-            raise ValueError(f"{name}: {len(data)} bytes for {dtype}{list(shape)}, expected {expected}")
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)))
-        fh.write(raw)
-        for blob in blobs:
-            fh.write(blob)
-        fh.flush()
-        os.fsync(fh.fileno())
+    safetensors_io.write_file(path, tensors)
 
 
 @dataclass
@@ -180,26 +159,12 @@ class RawTensor:
     data: bytes
 
 
-def read_safetensors(path: str, max_header: int = 16 << 20) -> dict[str, RawTensor]:
+def read_safetensors(path: str) -> dict[str, RawTensor]:
     """Read a safetensors file into raw tensors, checking that the header is sane."""
-    with open(path, "rb") as fh:
-        blob = fh.read()
-    if len(blob) < 8:
-        raise ValueError(f"{path}: truncated safetensors file")
-    (hlen,) = struct.unpack("<Q", blob[:8])
-    if hlen > max_header or 8 + hlen > len(blob):
-        raise ValueError(f"{path}: bad safetensors header length {hlen}")
-    header = json.loads(blob[8 : 8 + hlen])
-    base = 8 + hlen
-    out: dict[str, RawTensor] = {}
-    for name, spec in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = spec["data_offsets"]
-        if not 0 <= start <= end <= len(blob) - base:
-            raise ValueError(f"{path}: tensor {name} lies outside the file")
-        out[name] = RawTensor(spec["dtype"], list(spec["shape"]), blob[base + start : base + end])
-    return out
+    return {
+        name: RawTensor(spec.dtype, list(spec.shape), data)
+        for name, (spec, data) in safetensors_io.read_file(path).items()
+    }
 
 
 def write_meta_atomically(directory: str, meta: DumpMeta) -> None:

@@ -1,18 +1,19 @@
-"""Read a job's output back, one sample at a time, for drafter training (format: docs/format.md).
+"""Read a job's output back for drafter training (format: docs/format.md), one sample at a time or at
+random, from schema 1 and schema 2 outputs alike.
 
-Shards are memory-mapped, so a sample costs its own bytes, not its shard's; each yielded sample owns its
-arrays (copies), so nothing keeps a shard mapped after iteration moves on. With ``verify_checksums`` the
-whole shard is hashed before its first sample is yielded and a mismatch raises :class:`ChecksumMismatch`.
+Shards are memory-mapped, so a sample costs its own bytes, not its shard's; each returned sample owns its
+arrays (copies), so nothing keeps a shard mapped after the reader moves on. With ``verify_checksums`` a
+shard is hashed before its first sample is returned and a mismatch raises :class:`ChecksumMismatch`.
 
 numpy is required; torch only for ``as_torch=True``.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-import json
 import mmap
-import struct
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,14 +22,17 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import numpy as np
 import numpy.typing as npt
 
+from hsx.contract import PRE_NORM_TENSOR, tensor_name
 from hsx.manifest import Manifest, ShardEntry
+from hsx.safetensors_io import SafetensorsError, TensorSpec, parse_header
 
 if TYPE_CHECKING:
     import torch
 
-MAX_HEADER_BYTES = 16 << 20
 _NUMPY_DTYPES = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", "I32": "<i4", "I64": "<i8", "U8": "u1"}
-_REQUIRED = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state", "sample_offsets", "sample_index")
+_TOKEN_TENSORS = ("input_ids", "loss_mask", "sample_offsets", "sample_index")
+_V1_STATE_TENSORS = ("hidden_state", "aux_hidden_state")
+_OPEN_SHARDS = 4  # mapped at once by a random-access reader
 
 
 class LoaderError(Exception):
@@ -44,8 +48,11 @@ class Sample:
     index: int
     input_ids: npt.NDArray[np.int32]  # [T]
     loss_mask: npt.NDArray[np.uint8]  # [T]
-    hidden_state: npt.NDArray[Any]  # [T, H]; float32 (from bf16), or raw uint16 bf16 words on request
-    aux_hidden_state: npt.NDArray[Any]  # [T, len(aux) * H]
+    # [T, H] post-norm final state; None when the job captured only the pre-norm one (final_state "pre").
+    # float32 (from bf16), or raw uint16 bf16 words on request.
+    hidden_state: npt.NDArray[Any] | None
+    aux_hidden_state: npt.NDArray[Any]  # [T, len(aux) * H], the aux layers side by side
+    final_pre_norm: npt.NDArray[Any] | None = None  # [T, H] when the job captured it
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,9 @@ class TorchSample:
     index: int
     input_ids: torch.Tensor  # int32
     loss_mask: torch.Tensor  # uint8
-    hidden_state: torch.Tensor  # the shard's dtype (bfloat16 stays bfloat16)
+    hidden_state: torch.Tensor | None  # the shard's dtype (bfloat16 stays bfloat16)
     aux_hidden_state: torch.Tensor
+    final_pre_norm: torch.Tensor | None = None
 
 
 def bf16_words_to_float32(words: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
@@ -62,100 +70,179 @@ def bf16_words_to_float32(words: npt.NDArray[np.uint16]) -> npt.NDArray[np.float
     return (words.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def _read_header(buffer: mmap.mmap | bytes, path: Path) -> tuple[dict[str, Any], int]:
-    if len(buffer) < 8:
-        raise LoaderError(f"{path}: truncated safetensors file")
-    (length,) = struct.unpack("<Q", buffer[:8])
-    if length > MAX_HEADER_BYTES or 8 + length > len(buffer):
-        raise LoaderError(f"{path}: bad safetensors header length {length}")
-    try:
-        header = json.loads(buffer[8 : 8 + length])
-    except ValueError as exc:
-        raise LoaderError(f"{path}: unreadable safetensors header: {exc}") from exc
-    if not isinstance(header, dict):
-        raise LoaderError(f"{path}: the safetensors header is not an object")
-    return header, 8 + length
+class ShardView:
+    """One mapped shard of either schema, checked against its manifest entry."""
 
+    def __init__(self, path: Path, entry: ShardEntry, manifest: Manifest, verify: bool) -> None:
+        self.path = path
+        self.manifest = manifest
+        with open(path, "rb") as fh:
+            size = fh.seek(0, 2)
+            if size != entry.bytes or size < 8:
+                raise LoaderError(f"{path}: {size} bytes, the manifest says {entry.bytes}")
+            self._buffer = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self.specs = parse_header(self._buffer, size, str(path))
+        except SafetensorsError as exc:
+            raise LoaderError(str(exc)) from exc
+        if verify:
+            self._verify(entry)
+        missing = [name for name in _TOKEN_TENSORS if name not in self.specs]
+        if manifest.schema_version == 1:
+            missing += [name for name in _V1_STATE_TENSORS if name not in self.specs]
+        if missing:
+            raise LoaderError(f"{path}: missing tensors {missing}")
+        self.offsets = self._array("sample_offsets")
+        self.indices = self._array("sample_index")
+        self.input_ids = self._array("input_ids")
+        self.loss_mask = self._array("loss_mask")
+        self._check(entry)
 
-def _tensor(
-    buffer: mmap.mmap, header: dict[str, Any], base: int, name: str, path: Path
-) -> tuple[str, npt.NDArray[Any]]:
-    spec = header[name]
-    dtype = spec.get("dtype")
-    if dtype not in _NUMPY_DTYPES:
-        raise LoaderError(f"{path}: tensor {name} has unsupported dtype {dtype!r}")
-    start, end = spec["data_offsets"]
-    shape = [int(dim) for dim in spec["shape"]]
-    count = int(np.prod(shape, dtype=np.int64))
-    numpy_dtype = np.dtype(_NUMPY_DTYPES[dtype])
-    if not 0 <= start <= end <= len(buffer) - base or end - start != count * numpy_dtype.itemsize:
-        raise LoaderError(f"{path}: tensor {name} does not fit its data offsets")
-    array = np.frombuffer(buffer, dtype=numpy_dtype, count=count, offset=base + start).reshape(shape)
-    return dtype, array
-
-
-def _open_shard(path: Path, entry: ShardEntry, manifest: Manifest, verify: bool) -> dict[str, Any]:
-    with open(path, "rb") as fh:
-        size = fh.seek(0, 2)
-        if size != entry.bytes or size < 8:
-            raise LoaderError(f"{path}: {size} bytes, the manifest says {entry.bytes}")
-        buffer = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    if verify:
-        digest = hashlib.sha256(buffer).hexdigest()
-        if digest != entry.sha256:
-            raise ChecksumMismatch(f"{path}: sha256 {digest}, the manifest says {entry.sha256}")
-    header, base = _read_header(buffer, path)
-    missing = [name for name in _REQUIRED if name not in header]
-    if missing:
-        raise LoaderError(f"{path}: missing tensors {missing}")
-    tensors: dict[str, Any] = {}
-    for name in _REQUIRED:
-        dtype, tensors[name] = _tensor(buffer, header, base, name, path)
-        if name in ("hidden_state", "aux_hidden_state") and dtype != manifest.dtype:
-            raise LoaderError(f"{path}: {name} is {dtype}, the manifest says {manifest.dtype}")
-    _check_shapes(tensors, entry, manifest, path)
-    return tensors
-
-
-def _check_shapes(tensors: dict[str, Any], entry: ShardEntry, manifest: Manifest, path: Path) -> None:
-    offsets = tensors["sample_offsets"]
-    tokens = len(tensors["input_ids"])
-    aux_width = manifest.hidden_size * (len(manifest.hf_indices) - 1)
-    problems = []
-    if tensors["loss_mask"].shape != (tokens,):
-        problems.append("loss_mask length differs from input_ids")
-    if tensors["hidden_state"].shape != (tokens, manifest.hidden_size):
-        problems.append(f"hidden_state shape {tensors['hidden_state'].shape}")
-    if tensors["aux_hidden_state"].shape != (tokens, aux_width):
-        problems.append(f"aux_hidden_state shape {tensors['aux_hidden_state'].shape}")
-    if len(offsets) != len(tensors["sample_index"]) + 1 or offsets[0] != 0 or offsets[-1] != tokens:
-        problems.append("sample_offsets do not cover the tokens")
-    elif (np.diff(offsets) <= 0).any():
-        problems.append("sample_offsets are not increasing")
-    if len(tensors["sample_index"]) != entry.samples or tokens != entry.tokens:
-        problems.append(f"{len(tensors['sample_index'])} samples / {tokens} tokens, manifest disagrees")
-    if problems:
-        raise LoaderError(f"{path}: " + "; ".join(problems))
-
-
-def _iter_numpy(output_dir: Path, verify: bool, raw_bf16: bool) -> Iterator[Sample]:
-    manifest = Manifest.load(output_dir)
-    for entry in manifest.shards:
-        path = manifest.shard_path(output_dir, entry)
-        tensors = _open_shard(path, entry, manifest, verify)
-        offsets = tensors["sample_offsets"]
-        convert = manifest.dtype == "BF16" and not raw_bf16
-        for k, index in enumerate(tensors["sample_index"].tolist()):
-            rows = slice(int(offsets[k]), int(offsets[k + 1]))
-            final, aux = tensors["hidden_state"][rows], tensors["aux_hidden_state"][rows]
-            yield Sample(
-                index=int(index),
-                input_ids=tensors["input_ids"][rows].astype(np.int32),
-                loss_mask=tensors["loss_mask"][rows].copy(),
-                hidden_state=bf16_words_to_float32(final) if convert else final.copy(),
-                aux_hidden_state=bf16_words_to_float32(aux) if convert else aux.copy(),
+    def _verify(self, entry: ShardEntry) -> None:
+        if self.manifest.schema_version == 1:
+            digest = hashlib.sha256(self._buffer).hexdigest()
+            if digest != entry.sha256:
+                raise ChecksumMismatch(f"{self.path}: sha256 {digest}, the manifest says {entry.sha256}")
+            return
+        data_start = min((spec.start for spec in self.specs.values()), default=len(self._buffer))
+        header = hashlib.sha256(memoryview(self._buffer)[:data_start]).hexdigest()
+        data = hashlib.sha256(memoryview(self._buffer)[data_start:]).hexdigest()
+        if header != entry.header_sha256 or data != entry.sha256:
+            raise ChecksumMismatch(
+                f"{self.path}: header/data sha256 {header}/{data}, the manifest says "
+                f"{entry.header_sha256}/{entry.sha256}"
             )
-        del tensors, offsets  # drop the views so the mapping can be freed
+
+    def _array(self, name: str) -> npt.NDArray[Any]:
+        spec: TensorSpec = self.specs[name]
+        if spec.dtype not in _NUMPY_DTYPES:
+            raise LoaderError(f"{self.path}: tensor {name} has unsupported dtype {spec.dtype!r}")
+        dtype = np.dtype(_NUMPY_DTYPES[spec.dtype])
+        count = spec.nbytes // dtype.itemsize
+        return np.frombuffer(self._buffer, dtype=dtype, count=count, offset=spec.start).reshape(spec.shape)
+
+    def _state_names(self) -> list[str]:
+        """Per-sample dump tensors a schema 2 shard holds, in the manifest's terms."""
+        m = self.manifest
+        names = [tensor_name(i) for i in m.hf_indices[:-1]]
+        if m.final_state in ("post", "both"):
+            names.append(tensor_name(m.hf_indices[-1]))
+        if m.final_state in ("pre", "both"):
+            names.append(PRE_NORM_TENSOR)
+        return names
+
+    def _check(self, entry: ShardEntry) -> None:
+        m, offsets = self.manifest, self.offsets
+        tokens = len(self.input_ids)
+        problems = []
+        if self.loss_mask.shape != (tokens,):
+            problems.append("loss_mask length differs from input_ids")
+        if len(offsets) != len(self.indices) + 1 or offsets[0] != 0 or offsets[-1] != tokens:
+            problems.append("sample_offsets do not cover the tokens")
+        elif (np.diff(offsets) <= 0).any():
+            problems.append("sample_offsets are not increasing")
+        if len(self.indices) != entry.samples or tokens != entry.tokens:
+            problems.append(f"{len(self.indices)} samples / {tokens} tokens, manifest disagrees")
+        if m.schema_version == 1:
+            aux_width = m.hidden_size * (len(m.hf_indices) - 1)
+            for name, width in (("hidden_state", m.hidden_size), ("aux_hidden_state", aux_width)):
+                spec = self.specs[name]
+                if spec.shape != (tokens, width) or spec.dtype != m.dtype:
+                    problems.append(f"{name} is {spec.dtype}{list(spec.shape)}")
+        elif not problems:
+            for k in range(len(self.indices)):
+                rows = int(offsets[k + 1] - offsets[k])
+                for name in self._state_names():
+                    got = self.specs.get(f"s{k}.{name}")
+                    if got is None or got.shape != (rows, m.hidden_size) or got.dtype != m.dtype:
+                        found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+                        problems.append(f"s{k}.{name} is {found}, expected {m.dtype}{[rows, m.hidden_size]}")
+                        break
+        if problems:
+            raise LoaderError(f"{self.path}: " + "; ".join(problems[:4]))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def sample(self, k: int, raw_bf16: bool = False) -> Sample:
+        rows = slice(int(self.offsets[k]), int(self.offsets[k + 1]))
+        convert = self.manifest.dtype == "BF16" and not raw_bf16
+
+        def own(words: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return bf16_words_to_float32(words) if convert else words.copy()
+
+        m = self.manifest
+        if m.schema_version == 1:
+            final: npt.NDArray[Any] | None = own(self._array("hidden_state")[rows])
+            aux = own(self._array("aux_hidden_state")[rows])
+            pre = None
+        else:
+            aux_parts = [self._array(f"s{k}.{tensor_name(i)}") for i in m.hf_indices[:-1]]
+            aux = own(np.concatenate(aux_parts, axis=1))
+            final = (
+                own(self._array(f"s{k}.{tensor_name(m.hf_indices[-1])}")) if m.final_state != "pre" else None
+            )
+            pre = own(self._array(f"s{k}.{PRE_NORM_TENSOR}")) if m.final_state != "post" else None
+        return Sample(
+            index=int(self.indices[k]),
+            input_ids=self.input_ids[rows].astype(np.int32),
+            loss_mask=self.loss_mask[rows].copy(),
+            hidden_state=final,
+            aux_hidden_state=aux,
+            final_pre_norm=pre,
+        )
+
+
+class OutputReader:
+    """Random access to every sample of a job's output, in manifest order (sample ``i`` of the reader is
+    not the dataset index: rejected samples leave no gap here; ``Sample.index`` is the dataset's)."""
+
+    def __init__(
+        self, output_dir: Path | str, verify_checksums: bool = False, raw_bf16: bool = False
+    ) -> None:
+        self.directory = Path(output_dir)
+        self.manifest = Manifest.load(self.directory)
+        self.verify_checksums = verify_checksums
+        self.raw_bf16 = raw_bf16
+        self._starts = [0]
+        for entry in self.manifest.shards:
+            self._starts.append(self._starts[-1] + entry.samples)
+        self._open: OrderedDict[int, ShardView] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def shard_sample_counts(self) -> list[int]:
+        return [entry.samples for entry in self.manifest.shards]
+
+    def shard(self, number: int) -> ShardView:
+        view = self._open.pop(number, None)
+        if view is None:
+            entry = self.manifest.shards[number]
+            path = self.manifest.shard_path(self.directory, entry)
+            view = ShardView(path, entry, self.manifest, self.verify_checksums)
+        self._open[number] = view
+        while len(self._open) > _OPEN_SHARDS:
+            self._open.popitem(last=False)
+        return view
+
+    def __getitem__(self, i: int) -> Sample:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} of {len(self)}")
+        number = bisect.bisect_right(self._starts, i) - 1
+        return self.shard(number).sample(i - self._starts[number], self.raw_bf16)
+
+    def iter_shard(self, number: int) -> Iterator[Sample]:
+        view = self.shard(number)
+        for k in range(len(view)):
+            yield view.sample(k, self.raw_bf16)
+
+    def __iter__(self) -> Iterator[Sample]:
+        for number in range(len(self.manifest.shards)):
+            yield from self.iter_shard(number)
+            self._open.pop(number, None)  # done with it: let the mapping go
 
 
 def _to_torch(sample: Sample, bf16: bool) -> TorchSample:
@@ -170,8 +257,9 @@ def _to_torch(sample: Sample, bf16: bool) -> TorchSample:
         index=sample.index,
         input_ids=torch.from_numpy(sample.input_ids),
         loss_mask=torch.from_numpy(sample.loss_mask),
-        hidden_state=states(sample.hidden_state),
+        hidden_state=None if sample.hidden_state is None else states(sample.hidden_state),
         aux_hidden_state=states(sample.aux_hidden_state),
+        final_pre_norm=None if sample.final_pre_norm is None else states(sample.final_pre_norm),
     )
 
 
@@ -207,8 +295,8 @@ def iter_samples(
     numpy: bf16 states become float32 unless ``raw_bf16`` (then their uint16 words); F16 and F32 are kept.
     ``as_torch``: torch tensors in the shard's own dtype (bf16 as ``torch.bfloat16``); needs torch.
     """
-    directory = Path(output_dir)
     if not as_torch:
-        return _iter_numpy(directory, verify_checksums, raw_bf16)
-    bf16 = Manifest.load(directory).dtype == "BF16"
-    return (_to_torch(sample, bf16) for sample in _iter_numpy(directory, verify_checksums, raw_bf16=True))
+        return iter(OutputReader(output_dir, verify_checksums, raw_bf16))
+    reader = OutputReader(output_dir, verify_checksums, raw_bf16=True)
+    bf16 = reader.manifest.dtype == "BF16"
+    return (_to_torch(sample, bf16) for sample in reader)

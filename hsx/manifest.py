@@ -17,7 +17,11 @@ from typing import Any
 from hsx.contract import LAYER_CONVENTION
 from hsx.fsutil import fsync_dir
 
-SCHEMA_VERSION = 1
+# 2: shards written as a stream (per-sample state tensors, data and header hashed apart; docs/format.md).
+# 1: shards with every state tensor concatenated, one sha256 over the whole file. Both are read.
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
+FINAL_STATES = ("post", "pre", "both")
 MANIFEST_FILE = "manifest.json"
 # The shard's state tensors use safetensors dtype names, so the manifest does too (no aliases here).
 STATE_DTYPES = ("BF16", "F16", "F32")
@@ -45,10 +49,11 @@ class Counts:
 @dataclass
 class ShardEntry:
     path: str  # relative to the manifest's directory, with forward slashes
-    sha256: str
+    sha256: str  # schema 2: of the data section (the bytes after the header); schema 1: of the whole file
     bytes: int
     samples: int
     tokens: int
+    header_sha256: str | None = None  # schema 2: of the 8-byte length and the header
 
 
 def relative_shard_path(manifest_dir: Path, shard_path: Path) -> str:
@@ -80,10 +85,19 @@ class Manifest:
     counts: Counts = field(default_factory=Counts)
     shards: list[ShardEntry] = field(default_factory=list)
     layer_convention: str = LAYER_CONVENTION
+    # Which final state the shards hold: "post" (post-norm, HF hidden_states[N]), "pre" (the last decoder
+    # layer's output, before the final norm) or "both".
+    final_state: str = "post"
+    # What produced the states: backend ("sglang", "reference", "synthetic"), version, parallel layout.
+    engine: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        if self.final_state not in FINAL_STATES:
+            raise ManifestError(f"final_state {self.final_state!r} is not one of {FINAL_STATES}")
+        if self.schema_version == 1 and self.final_state != "post":
+            raise ManifestError("a schema 1 manifest can only hold the post-norm final state")
         if self.dtype not in STATE_DTYPES:
             raise ManifestError(f"dtype {self.dtype!r} is not one of {STATE_DTYPES} (safetensors names)")
         if len(self.hf_indices) != len(self.aux_layer_ids) + 1:
@@ -95,8 +109,10 @@ class Manifest:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Manifest:
         version = raw.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ManifestError(f"manifest schema_version {version!r}, this reader knows {SCHEMA_VERSION}")
+        if version not in READABLE_SCHEMA_VERSIONS:
+            raise ManifestError(
+                f"manifest schema_version {version!r}, this reader knows {list(READABLE_SCHEMA_VERSIONS)}"
+            )
         try:
             shards = [ShardEntry(**entry) for entry in raw["shards"]]
             for entry in shards:
@@ -113,6 +129,8 @@ class Manifest:
                 counts=Counts(**raw["counts"]),
                 shards=shards,
                 layer_convention=raw["layer_convention"],
+                final_state=raw.get("final_state", "post"),
+                engine=dict(raw.get("engine", {})),
                 extra=dict(raw.get("extra", {})),
                 schema_version=version,
             )

@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     engine_timeout_seconds: float = 600.0
     engine_retries: int = 4
     dump_wait_seconds: float = 30.0
+    # Finished captures waiting in the dump directory for the shard writer, per worker process, in bytes:
+    # how far prefills may run ahead of the writer.
+    max_inflight_dump_bytes: int = 4 << 30
+    # Worker processes `hsx worker` starts on this host (each one unit in flight at a time).
+    worker_processes: int = 1
 
     # Security and input limits.
     api_token: SecretStr | None = None

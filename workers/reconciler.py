@@ -59,9 +59,10 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
         ):
             stats["finalized"] += 1
             continue
-        idle = (claimable and live == 0) or state == JobState.queued.value
-        # Nobody is working on it and nothing in Redis will wake anyone: Redis lost it, or a worker died.
-        if idle and queued_wakeups(settings, job_id) == 0:
+        # Work is waiting and nothing in Redis will wake a worker for it (Redis lost it, a worker died, or
+        # every worker was busy when the last wake-up was taken): one waiting wake-up per job is enough,
+        # since whoever takes it wakes the next while units stay claimable.
+        if (claimable or state == JobState.queued.value) and queued_wakeups(settings, job_id) == 0:
             stats["woken"] += enqueue_wakeups(settings, job_id, 1)
         stats["temp_removed"] += _remove_stale_temp(Path(output_dir), leased, now)
     stats["dumps_removed"] += _remove_stale_dumps(settings.resolved_dump_dir, now)

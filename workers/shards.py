@@ -1,26 +1,23 @@
-"""Accumulate captured samples and write them as one crash-safe safetensors shard.
+"""Write one shard as a stream: each validated sample's states go from its dump to the shard in chunks.
 
-A shard holds, for ``n`` samples of ``T_total`` tokens in all (format: docs/format.md):
+A shard (format: docs/format.md, schema 2) is a safetensors file. Its header is reserved at the front and
+filled in last; the data section holds, for the ``k``-th sample of the shard, one tensor per captured
+layer (``s<k>.hidden.<hf_index>`` [T_k, H], and ``s<k>.final_pre_norm`` when captured), then, after all
+samples, ``sample_offsets`` I64 [n+1], ``sample_index`` I64 [n], ``input_ids`` I32 [T] and ``loss_mask``
+U8 [T].
 
-* ``input_ids`` I32 [T_total], ``loss_mask`` U8 [T_total]
-* ``hidden_state`` [T_total, H]: the final post-norm state
-* ``aux_hidden_state`` [T_total, 3H]: the aux layers side by side, in ``aux_hf_indices`` order
-* ``sample_offsets`` I64 [n+1] (sample ``k`` is rows ``offsets[k]:offsets[k+1]``), ``sample_index`` I64 [n]
-
-The file is the same safetensors layout as :func:`hsx.contract.write_safetensors` produces, but written
-here by streaming each sample's arrays straight from memory (no concatenated copy of a multi-gigabyte
-tensor) and hashing the bytes as they are written. It appears under its final name only once complete.
+Each chunk is read once into a reused buffer, checked for non-finite values, hashed and written: memory
+does not grow with the number of samples, their length or the hidden size. The data section's sha256 is
+computed as it is written; the header is hashed on its own once filled in. A sample found bad while it is
+copied is cut off again (the file truncated, the hash restored), so nothing of it stays in the shard.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
-import secrets
-import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +25,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from hsx.contract import DTYPE_SIZES
-from hsx.fsutil import fsync_dir
+from hsx.safetensors_io import TensorSpec, encode_header
 from workers.faults import crash_point
+from workers.validation import NON_FINITE, SampleRejected
 
 # Accepted spellings of the state dtype, mapped to the safetensors name the shard uses.
 STATE_DTYPES = {
@@ -44,12 +41,13 @@ STATE_DTYPES = {
     "fp32": "F32",
     "float32": "F32",
 }
-# How each state dtype arrives in numpy: bf16 has no numpy type, so it travels as its raw 16-bit words.
-NUMPY_STATE_DTYPES: dict[str, np.dtype[Any]] = {
-    "BF16": np.dtype("<u2"),
-    "F16": np.dtype("<f2"),
-    "F32": np.dtype("<f4"),
-}
+CHUNK_BYTES = 1 << 20
+# Bits that are all ones in the exponent of a non-finite value, per 16-bit float format.
+_EXPONENT_MASKS = {"BF16": 0x7F80, "F16": 0x7C00}
+# Header room per tensor entry: '"s12345.hidden.123":{"dtype":"BF16","shape":[..],"data_offsets":[..]},'
+# is under 120 bytes for any realistic size; the reserve is checked when the header is written.
+_HEADER_BYTES_PER_TENSOR = 160
+_HEADER_BASE_BYTES = 1024
 
 
 def canonical_state_dtype(dtype: str) -> str:
@@ -61,8 +59,12 @@ def canonical_state_dtype(dtype: str) -> str:
         ) from None
 
 
+def sample_tensor_name(position: int, dump_tensor: str) -> str:
+    return f"s{position}.{dump_tensor}"
+
+
 class ShardWriteError(Exception):
-    """The shard could not be written; nothing is left under its final name or a temp name."""
+    """The shard could not be written; the caller removes the staged file."""
 
     def __init__(self, path: Path, errno: int | None, detail: str) -> None:
         super().__init__(f"cannot write shard {path}: {detail}")
@@ -74,185 +76,191 @@ class ShardWriteError(Exception):
 @dataclass(frozen=True)
 class ShardInfo:
     path: Path
-    sha256: str
+    sha256: str  # of the data section: every byte after the header
+    header_sha256: str  # of the first 8 + header-length bytes
     bytes: int
     samples: int
     tokens: int
 
 
-@dataclass(frozen=True)
-class _PendingSample:
-    index: int
-    input_ids: npt.NDArray[np.int32]
-    loss_mask: npt.NDArray[np.uint8]
-    final: npt.NDArray[Any]  # [T, H]
-    aux: npt.NDArray[Any]  # [T, len(aux) * H]
+def has_non_finite(chunk: memoryview, dtype: str) -> bool:
+    if dtype in _EXPONENT_MASKS:
+        words = np.frombuffer(chunk, dtype="<u2")
+        mask = _EXPONENT_MASKS[dtype]
+        return bool(np.any(np.bitwise_and(words, mask) == mask))
+    if dtype == "F32":
+        return not bool(np.isfinite(np.frombuffer(chunk, dtype="<f4")).all())
+    raise ValueError(f"no finiteness check for dtype {dtype}")
 
 
-class ShardBuilder:
-    """Samples for one shard, held in memory until :meth:`write`."""
+class ShardStream:
+    """One shard, written sample by sample to ``path`` (created exclusively; a staged name)."""
 
     def __init__(
-        self, hidden_size: int, dtype: str, aux_hf_indices: Sequence[int], final_hf_index: int
+        self,
+        path: Path,
+        *,
+        dtype: str,
+        dump_tensors: Sequence[str],
+        capacity: int,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
-        if hidden_size < 1:
-            raise ValueError(f"hidden_size must be positive, got {hidden_size}")
-        if not aux_hf_indices:
-            raise ValueError("at least one aux layer is needed")
-        if final_hf_index in aux_hf_indices or len(set(aux_hf_indices)) != len(aux_hf_indices):
-            raise ValueError(f"layer indices repeat: aux {list(aux_hf_indices)}, final {final_hf_index}")
-        self.hidden_size = hidden_size
+        self.path = Path(path)
         self.dtype = canonical_state_dtype(dtype)
-        self.numpy_dtype = NUMPY_STATE_DTYPES[self.dtype]
-        self.aux_hf_indices = list(aux_hf_indices)
-        self.final_hf_index = final_hf_index
-        self._samples: list[_PendingSample] = []
+        self.dump_tensors = list(dump_tensors)
+        self.capacity = capacity
+        self._reserved = _HEADER_BASE_BYTES + _HEADER_BYTES_PER_TENSOR * capacity * len(self.dump_tensors)
+        self._reserved += -self._reserved % 8
+        self._buffer = bytearray(chunk_bytes - chunk_bytes % 8)
+        self._digest = hashlib.sha256()
+        self._data_bytes = 0
+        self._entries: list[tuple[str, str, tuple[int, ...], int]] = []
+        self._ids: list[npt.NDArray[np.int32]] = []
+        self._masks: list[npt.NDArray[np.uint8]] = []
+        self._indices: list[int] = []
         self._tokens = 0
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.lseek(self._fd, 8 + self._reserved, os.SEEK_SET)
+        except OSError as exc:
+            raise ShardWriteError(self.path, exc.errno, exc.strerror or str(exc)) from exc
 
     @property
     def samples(self) -> int:
-        return len(self._samples)
+        return len(self._indices)
 
     @property
     def tokens(self) -> int:
         return self._tokens
 
-    @property
-    def state_bytes(self) -> int:
-        """Bytes of hidden states held so far (what a caller watches to decide when to write)."""
-        return self._tokens * self.hidden_size * (1 + len(self.aux_hf_indices)) * self.numpy_dtype.itemsize
-
-    def reset(self) -> None:
-        self._samples.clear()
-        self._tokens = 0
-
-    def _state(self, states: Mapping[int, npt.NDArray[Any]], hf_index: int, tokens: int) -> npt.NDArray[Any]:
-        if hf_index not in states:
-            raise ValueError(f"missing hidden state for hf index {hf_index} (have {sorted(states)})")
-        array = states[hf_index]
-        if self.dtype == "BF16" and array.dtype.kind == "i" and array.dtype.itemsize == 2:
-            # torch cannot view bf16 as uint16, so words often arrive as int16: same bits, reinterpret them.
-            array = array.view(array.dtype.str.replace("i", "u"))
-        if array.shape != (tokens, self.hidden_size):
-            raise ValueError(
-                f"hf index {hf_index}: shape {array.shape}, expected {(tokens, self.hidden_size)}"
-            )
-        if array.dtype.newbyteorder("<") != self.numpy_dtype.newbyteorder("<"):
-            raise ValueError(f"hf index {hf_index}: numpy dtype {array.dtype} does not carry {self.dtype}")
-        return array
-
     def add(
         self,
         sample_index: int,
-        input_ids: Sequence[int] | npt.NDArray[Any],
-        loss_mask: Sequence[int] | npt.NDArray[Any],
-        states: Mapping[int, npt.NDArray[Any]],
-    ) -> None:
-        """Add one sample; the arrays are copied, so the caller may reuse its buffers."""
-        ids = np.asarray(input_ids, dtype=np.int64)
-        mask = np.asarray(loss_mask)
-        tokens = len(ids)
-        if ids.ndim != 1 or tokens == 0:
-            raise ValueError(f"sample {sample_index}: input_ids must be a non-empty 1-D sequence")
-        if mask.shape != (tokens,):
-            raise ValueError(f"sample {sample_index}: loss_mask shape {mask.shape}, expected {(tokens,)}")
-        if ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
-            raise ValueError(f"sample {sample_index}: token ids do not fit in int32")
-        if not np.isin(mask, (0, 1)).all():
-            raise ValueError(f"sample {sample_index}: loss_mask must hold only 0 and 1")
-        final = self._state(states, self.final_hf_index, tokens)
-        aux_parts = [self._state(states, hf_index, tokens) for hf_index in self.aux_hf_indices]
-        self._samples.append(
-            _PendingSample(
-                index=sample_index,
-                input_ids=ids.astype("<i4"),
-                loss_mask=mask.astype("u1"),
-                final=np.array(final, dtype=self.numpy_dtype, order="C", copy=True),
-                aux=np.ascontiguousarray(np.concatenate(aux_parts, axis=1), dtype=self.numpy_dtype),
-            )
-        )
-        self._tokens += tokens
-
-    # --- writing -----------------------------------------------------------------------------------
-
-    def _tensor_parts(self) -> list[tuple[str, str, list[int], list[npt.NDArray[Any]]]]:
-        """Every tensor as (name, safetensors dtype, shape, arrays whose bytes, in order, make its data)."""
-        offsets = np.zeros(len(self._samples) + 1, dtype="<i8")
-        np.cumsum([len(s.input_ids) for s in self._samples], out=offsets[1:])
-        width = self.hidden_size * len(self.aux_hf_indices)
-        return [
-            ("input_ids", "I32", [self._tokens], [s.input_ids for s in self._samples]),
-            ("loss_mask", "U8", [self._tokens], [s.loss_mask for s in self._samples]),
-            ("hidden_state", self.dtype, [self._tokens, self.hidden_size], [s.final for s in self._samples]),
-            ("aux_hidden_state", self.dtype, [self._tokens, width], [s.aux for s in self._samples]),
-            ("sample_offsets", "I64", [len(offsets)], [offsets]),
-            (
-                "sample_index",
-                "I64",
-                [len(self._samples)],
-                [np.array([s.index for s in self._samples], "<i8")],
-            ),
-        ]
-
-    def write(self, final_path: Path) -> ShardInfo:
-        """Write the held samples to ``final_path`` atomically; the builder keeps them (see :meth:`reset`)."""
-        if not self._samples:
-            raise ValueError("a shard needs at least one sample")
-        final_path = Path(final_path)
-        tmp_path = final_path.with_name(f".{final_path.name}.{secrets.token_hex(6)}.tmp")
+        input_ids: npt.NDArray[Any],
+        loss_mask: npt.NDArray[Any],
+        source_fd: int,
+        specs: dict[str, TensorSpec],
+        check_every_chunk: bool = True,
+    ) -> int:
+        """Append one sample whose states are ``specs`` in the open file ``source_fd``; returns the bytes
+        copied. Raises :class:`SampleRejected` (non-finite values; nothing of the sample stays) or
+        :class:`ShardWriteError`. Without ``check_every_chunk`` only each tensor's first chunk is checked
+        (the engine counted non-finite values itself)."""
+        if self.samples >= self.capacity:
+            raise ValueError(f"shard {self.path.name} is full ({self.capacity} samples)")
+        tokens = len(input_ids)
+        position = self.samples
+        mark = (self._data_bytes, self._digest.copy(), len(self._entries))
         try:
-            final_path.parent.mkdir(parents=True, exist_ok=True)
-            digest, size = _write_streaming(tmp_path, self._tensor_parts())
-            os.replace(tmp_path, final_path)
-        except BaseException as exc:  # interrupts too: a temp file must never outlive a failed write
-            with contextlib.suppress(OSError):
-                tmp_path.unlink()
-            if isinstance(exc, OSError):
-                raise ShardWriteError(final_path, exc.errno, exc.strerror or str(exc)) from exc
+            for name in self.dump_tensors:
+                spec = specs[name]
+                if spec.dtype != self.dtype:
+                    raise SampleRejected(
+                        "dtype_mismatch", f"{name} is {spec.dtype}, the shard holds {self.dtype}"
+                    )
+                self._copy(source_fd, spec, check_every_chunk)
+                self._entries.append(
+                    (sample_tensor_name(position, name), spec.dtype, spec.shape, spec.nbytes)
+                )
+        except SampleRejected:
+            self._rewind(*mark)
             raise
+        except OSError as exc:
+            raise ShardWriteError(self.path, exc.errno, exc.strerror or str(exc)) from exc
+        self._ids.append(np.asarray(input_ids, dtype="<i4"))
+        self._masks.append(np.asarray(loss_mask, dtype="u1"))
+        self._indices.append(sample_index)
+        self._tokens += tokens
+        return self._data_bytes - mark[0]
+
+    def _copy(self, source_fd: int, spec: TensorSpec, check_every_chunk: bool) -> None:
+        view = memoryview(self._buffer)
+        position, first = spec.start, True
+        while position < spec.end:
+            want = min(len(view), spec.end - position)
+            got = os.preadv(source_fd, [view[:want]], position)
+            if got <= 0:
+                raise SampleRejected("dump_missing", f"{spec.name} ends {spec.end - position} bytes early")
+            chunk = view[:got]
+            if (check_every_chunk or first) and has_non_finite(chunk, spec.dtype):
+                raise SampleRejected(NON_FINITE, f"{spec.name} holds NaN/Inf values")
+            self._digest.update(chunk)
+            self._write(chunk)
+            position += got
+            first = False
+
+    def _write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        self._data_bytes += len(data)
+
+    def _rewind(self, data_bytes: int, digest: Any, entries: int) -> None:
+        os.ftruncate(self._fd, 8 + self._reserved + data_bytes)
+        os.lseek(self._fd, 8 + self._reserved + data_bytes, os.SEEK_SET)
+        self._data_bytes, self._digest = data_bytes, digest
+        del self._entries[entries:]
+
+    def finish(self) -> ShardInfo:
+        """Write the per-token tensors and the header, fsync and close; the file is complete."""
+        if not self._indices:
+            raise ValueError("a shard needs at least one sample")
+        offsets = np.zeros(len(self._ids) + 1, dtype="<i8")
+        np.cumsum([len(ids) for ids in self._ids], out=offsets[1:])
+        tail = [
+            ("sample_offsets", "I64", offsets),
+            ("sample_index", "I64", np.asarray(self._indices, dtype="<i8")),
+            ("input_ids", "I32", np.concatenate(self._ids)),
+            ("loss_mask", "U8", np.concatenate(self._masks)),
+        ]
         try:
-            fsync_dir(final_path.parent)
-        except OSError as exc:  # the shard is complete and in place; only the rename's durability is unknown
-            raise ShardWriteError(final_path, exc.errno, f"fsync of the directory: {exc}") from exc
-        return ShardInfo(path=final_path, sha256=digest, bytes=size, samples=self.samples, tokens=self.tokens)
+            for name, dtype, array in tail:
+                data = memoryview(np.ascontiguousarray(array).tobytes())
+                self._digest.update(data)
+                self._write(data)
+                self._entries.append((name, dtype, tuple(array.shape), array.nbytes))
+            header = encode_header(self._entries, pad_to=self._reserved)
+            os.pwrite(self._fd, header, 0)
+            crash_point("before_shard_fsync")
+            os.fsync(self._fd)
+        except OSError as exc:
+            raise ShardWriteError(self.path, exc.errno, exc.strerror or str(exc)) from exc
+        finally:
+            self._close()
+        return ShardInfo(
+            path=self.path,
+            sha256=self._digest.hexdigest(),
+            header_sha256=hashlib.sha256(header).hexdigest(),
+            bytes=len(header) + self._data_bytes,
+            samples=self.samples,
+            tokens=self._tokens,
+        )
+
+    def _close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def discard(self) -> None:
+        """Close and remove the file (the unit was abandoned, or no sample made it)."""
+        self._close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
 
 
-def _header(parts: Iterable[tuple[str, str, list[int], list[npt.NDArray[Any]]]]) -> bytes:
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, dtype, shape, arrays in parts:
-        length = sum(array.nbytes for array in arrays)
-        expected = DTYPE_SIZES[dtype] * int(np.prod(shape, dtype=np.int64))
-        if length != expected:  # an internal invariant; a mismatch would corrupt every later tensor
-            raise AssertionError(f"{name}: {length} bytes for {dtype}{shape}, expected {expected}")
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + length]}
-        offset += length
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    return raw + b" " * (-len(raw) % 8)  # safetensors pads the header so tensor data is 8-byte aligned
-
-
-def _write_streaming(
-    path: Path, parts: list[tuple[str, str, list[int], list[npt.NDArray[Any]]]]
-) -> tuple[str, int]:
-    """Create ``path`` exclusively, write the safetensors bytes, fsync; return (sha256, size)."""
-    header = _header(parts)
+def data_sha256(path: Path) -> str | None:
+    """sha256 of a shard's data section (what the job table records), or None when the file is gone."""
     digest = hashlib.sha256()
-    size = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
-    with os.fdopen(fd, "wb", buffering=1 << 20) as fh:
-
-        def emit(data: bytes | memoryview) -> None:
-            nonlocal size
-            digest.update(data)
-            fh.write(data)
-            size += len(data)
-
-        emit(struct.pack("<Q", len(header)))
-        emit(header)
-        for _, _, _, arrays in parts:
-            for array in arrays:
-                emit(array.data.cast("B"))
-        fh.flush()
-        crash_point("before_shard_fsync")
-        os.fsync(fh.fileno())
-    return digest.hexdigest(), size
+    try:
+        with open(path, "rb") as fh:
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                return None
+            fh.seek(8 + int.from_bytes(prefix, "little"))
+            while chunk := fh.read(CHUNK_BYTES):
+                digest.update(chunk)
+    except FileNotFoundError:
+        return None
+    return digest.hexdigest()

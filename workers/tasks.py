@@ -4,18 +4,25 @@ dotted path, so it never imports torch. RQ only wakes workers: the job table say
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 
 from hsx.settings import get_settings
 
 log = logging.getLogger(__name__)
 
+# The worker sends this to its work horse on a warm shutdown (see workers.worker_main).
+STOP_SIGNAL = signal.SIGUSR1
+
 
 def run_next_unit(job_id: str) -> str:
-    """Process one work unit of a job (starting the job first if it is still queued), then wake the next."""
-    from workers.job_runner import JobRunner
+    """Work on a job until no unit is left to claim (preparing or starting it first if it is queued)."""
+    from workers.job_runner import SHUTDOWN, JobRunner
 
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(STOP_SIGNAL, lambda *_: SHUTDOWN.set())
     settings = get_settings()
-    outcome = JobRunner(job_id, settings).run_one()
+    outcome = JobRunner(job_id, settings).run()
     if outcome.more_work:
         from hsx.jobs.queue import enqueue_wakeups
 

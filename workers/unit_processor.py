@@ -1,24 +1,40 @@
-"""Turns one work unit's samples into a validated shard: encode, prefill, read the dump, validate, append.
+"""Turns one work unit's records into a validated shard: encode, prefill, check the dump, stream it in.
 
-A sample that fails validation is retried once under a fresh rid, then rejected with its reason; it never
+Prefills run on a pool of threads (``concurrency`` in flight); the calling thread takes finished captures
+in sample order and streams each into the shard (:class:`workers.shards.ShardStream`). How far ahead the
+prefills may run is bounded by a count and by the bytes of dumps waiting in shared memory, so neither the
+worker's memory nor the dump directory grows with the unit.
+
+A capture that fails a check is retried once under a fresh rid, then rejected with its reason; it never
 enters a shard. Engine outages are not a sample's fault: they propagate and the job runner decides.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hsx.contract import RID_PREFIX, EngineInfo
+import numpy as np
+
+from hsx.contract import PRE_NORM_TENSOR, RID_PREFIX, EngineInfo, tensor_name
 from hsx.jobs.repository import ClaimedUnit, RejectionRow
-from workers.chat import ChatEncoder, EncodeError
-from workers.dataset import RawSample, RecordFormat, SampleError, iter_samples
-from workers.engine_client import Dump, DumpMissing, EngineClient, EngineRejected
-from workers.shards import ShardBuilder
-from workers.validation import SampleRejected, validate_dump
+from hsx.safetensors_io import DTYPE_SIZES
+from workers.dump_file import DumpFile, open_dump
+from workers.engine_client import DumpMissing, EngineClient, EngineRejected, delete_dump
+from workers.records import Pretokenized, Record
+from workers.shards import ShardInfo, ShardStream, canonical_state_dtype
+from workers.validation import SampleRejected, check_dump
+
+if TYPE_CHECKING:
+    from workers.chat import ChatEncoder
 
 log = logging.getLogger(__name__)
 
@@ -31,18 +47,30 @@ class UnitAborted(Exception):
 
 @dataclass
 class UnitResult:
-    builder: ShardBuilder
+    shard: ShardInfo | None = None
     rejections: list[RejectionRow] = field(default_factory=list)
     samples_done: int = 0
     tokens: int = 0
+    state_bytes: int = 0
 
 
 @dataclass
-class PendingSample:
+class _Pending:
     index: int
     input_ids: list[int]
     loss_mask: list[int]
-    future: Future[Dump | RejectionRow]
+    future: Future[DumpFile | RejectionRow]
+    dump_bytes: int
+
+
+def dump_tensors(info: EngineInfo) -> list[str]:
+    """The dump tensors a sample keeps, in shard order: aux layers, then the final state(s)."""
+    names = [tensor_name(i) for i in info.hf_indices[:-1]]
+    if info.final_state in ("post", "both"):
+        names.append(tensor_name(info.hf_indices[-1]))
+    if info.final_state in ("pre", "both"):
+        names.append(PRE_NORM_TENSOR)
+    return names
 
 
 class UnitProcessor:
@@ -50,78 +78,147 @@ class UnitProcessor:
         self,
         client: EngineClient,
         info: EngineInfo,
-        encoder: ChatEncoder,
+        encoder: Callable[[], ChatEncoder],
         dump_dir: str,
         dump_wait_seconds: float,
         concurrency: int,
         namespace_cache_per_request: bool,
+        max_inflight_dump_bytes: int = 4 << 30,
     ) -> None:
         self.client = client
         self.info = info
-        self.encoder = encoder
+        self._encoder_factory = encoder
+        self._encoder: ChatEncoder | None = None
         self.dump_dir = dump_dir
         self.dump_wait_seconds = dump_wait_seconds
         self.concurrency = max(1, concurrency)
         self.namespace_cache_per_request = namespace_cache_per_request
+        self.max_inflight_dump_bytes = max_inflight_dump_bytes
+        self.dtype = canonical_state_dtype(info.dtype)
+        self.tensors = dump_tensors(info)
+        self.bytes_per_token = info.hidden_size * DTYPE_SIZES[self.dtype] * len(self.tensors)
+        self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="prefill")
 
-    def new_builder(self) -> ShardBuilder:
-        aux = self.info.hf_indices[:-1]
-        return ShardBuilder(self.info.hidden_size, self.info.dtype, aux, self.info.hf_indices[-1])
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
     def process(
         self,
         unit: ClaimedUnit,
-        dataset_path: str,
-        record_format: RecordFormat,
+        records: Iterable[tuple[int, Record]],
+        staged_path: Path,
         should_stop: Callable[[], bool],
     ) -> UnitResult:
-        result = UnitResult(builder=self.new_builder())
-        window: list[PendingSample] = []
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="prefill") as pool:
-            try:
-                for index, raw in iter_samples(
-                    dataset_path, unit.sample_start, unit.sample_end, record_format=record_format
+        result = UnitResult()
+        window: collections.deque[_Pending] = collections.deque()
+        stream: ShardStream | None = None
+        inflight = 0
+        try:
+            for index, raw in records:
+                if should_stop():
+                    raise UnitAborted("lease lost or job stopped")
+                encoded = self._encode(index, raw)
+                if isinstance(encoded, RejectionRow):
+                    result.rejections.append(encoded)
+                    continue
+                ids, mask = encoded
+                size = len(ids) * self.bytes_per_token
+                # Bounded look-ahead: each finished capture waits in shared memory until it is streamed.
+                while window and (
+                    len(window) >= 2 * self.concurrency or inflight + size > self.max_inflight_dump_bytes
                 ):
-                    if should_stop():
-                        raise UnitAborted("lease lost or job stopped")
-                    encoded = self._encode(index, raw)
-                    if isinstance(encoded, RejectionRow):
-                        result.rejections.append(encoded)
-                        continue
-                    ids, mask = encoded
-                    fut = pool.submit(self._capture, unit, index, ids)
-                    window.append(PendingSample(index, ids, mask, fut))
-                    # Keep a bounded number of dumps in flight: each one holds the sample's states in memory.
-                    while len(window) >= 2 * self.concurrency:
-                        self._collect(window.pop(0), result)
-                while window:
-                    self._collect(window.pop(0), result)
-            except BaseException:
-                for pending in window:
-                    pending.future.cancel()
-                raise
+                    pending = window.popleft()
+                    inflight -= pending.dump_bytes
+                    stream = self._collect(pending, result, stream, unit, staged_path)
+                future = self.pool.submit(self._capture, unit, index, ids)
+                window.append(_Pending(index, ids, mask, future, size))
+                inflight += size
+            while window:
+                if should_stop():
+                    raise UnitAborted("lease lost or job stopped")
+                stream = self._collect(window.popleft(), result, stream, unit, staged_path)
+            if stream is not None:
+                result.shard = stream.finish()
+        except BaseException:
+            for pending in window:
+                pending.future.cancel()
+            for pending in window:
+                with contextlib.suppress(BaseException):
+                    outcome = pending.future.result()
+                    if isinstance(outcome, DumpFile):
+                        self._drop(outcome)
+            if stream is not None:
+                stream.discard()
+            raise
         result.rejections.sort(key=lambda r: r.sample_index)
         return result
 
-    def _encode(self, index: int, raw: RawSample) -> tuple[list[int], list[int]] | RejectionRow:
+    def _encode(self, index: int, raw: Record) -> tuple[list[int], list[int]] | RejectionRow:
+        from workers.chat import EncodeError
+        from workers.dataset import SampleError
+
         if isinstance(raw, SampleError):
             return RejectionRow(index, raw.reason, raw.detail)
+        if isinstance(raw, Pretokenized):
+            return raw.input_ids, raw.loss_mask
+        if self._encoder is None:
+            self._encoder = self._encoder_factory()
         try:
-            sample = self.encoder.encode(raw)
+            sample = self._encoder.encode(raw)
         except EncodeError as exc:
             return RejectionRow(index, exc.reason, exc.detail)
         return sample.input_ids, sample.loss_mask
 
-    def _collect(self, pending: PendingSample, result: UnitResult) -> None:
+    def _collect(
+        self,
+        pending: _Pending,
+        result: UnitResult,
+        stream: ShardStream | None,
+        unit: ClaimedUnit,
+        staged_path: Path,
+    ) -> ShardStream | None:
         outcome = pending.future.result()
         if isinstance(outcome, RejectionRow):
             result.rejections.append(outcome)
-            return
-        result.builder.add(pending.index, pending.input_ids, pending.loss_mask, outcome.states)
+            return stream
+        try:
+            if stream is None:
+                stream = ShardStream(
+                    staged_path,
+                    dtype=self.dtype,
+                    dump_tensors=self.tensors,
+                    capacity=unit.sample_end - unit.sample_start,
+                )
+            counted = outcome.meta.non_finite is not None and all(
+                name in outcome.meta.non_finite for name in self.tensors
+            )
+            copied = stream.add(
+                pending.index,
+                np.asarray(pending.input_ids, dtype=np.int32),
+                np.asarray(pending.loss_mask, dtype=np.uint8),
+                outcome.fd,
+                outcome.state_specs(),
+                check_every_chunk=not counted,
+            )
+        except SampleRejected as exc:
+            result.rejections.append(RejectionRow(pending.index, exc.reason, exc.detail))
+            return stream
+        except BaseException:
+            if stream is not None:  # made here, so the caller does not know it yet
+                stream.discard()
+            raise
+        finally:
+            self._drop(outcome)
         result.samples_done += 1
         result.tokens += len(pending.input_ids)
+        result.state_bytes += copied
+        return stream
 
-    def _capture(self, unit: ClaimedUnit, index: int, ids: list[int]) -> Dump | RejectionRow:
+    def _drop(self, dump: DumpFile) -> None:
+        dump.close()
+        delete_dump(self.dump_dir, dump.meta.rid)
+
+    def _capture(self, unit: ClaimedUnit, index: int, ids: list[int]) -> DumpFile | RejectionRow:
         last: SampleRejected | None = None
         for _ in range(SAMPLE_ATTEMPTS):
             rid = (
@@ -133,14 +230,20 @@ class UnitProcessor:
                 response = self.client.prefill(ids, rid, extra_key=extra_key)
             except EngineRejected as exc:
                 return RejectionRow(index, "engine_rejected", str(exc))
+            dump: DumpFile | None = None
             try:
                 meta_info = response.get("meta_info", {})
-                dump = self.client.read_dump(self.dump_dir, rid, self.dump_wait_seconds)
-                validate_dump(
-                    dump,
+                started = time.monotonic()
+                dump = open_dump(self.dump_dir, rid, self.dump_wait_seconds)
+                log.debug("dump of %s after %.3fs", rid, time.monotonic() - started)
+                shapes = {name: spec.shape for name, spec in dump.state_specs().items()}
+                check_dump(
+                    dump.meta,
+                    dump.input_ids(),
+                    shapes,
                     ids,
                     int(meta_info.get("cached_tokens", 0) or 0),
-                    self.info.hf_indices,
+                    self.tensors,
                     self.info.hidden_size,
                 )
                 return dump
@@ -150,7 +253,13 @@ class UnitProcessor:
             except SampleRejected as exc:
                 last = exc
                 log.info("sample %s attempt failed validation: %s (%s)", index, exc.reason, exc.detail)
-            finally:
-                self.client.delete_dump(self.dump_dir, rid)
+            except BaseException:
+                if dump is not None:
+                    dump.close()
+                delete_dump(self.dump_dir, rid)
+                raise
+            if dump is not None:
+                dump.close()
+            delete_dump(self.dump_dir, rid)
         assert last is not None
         return RejectionRow(index, last.reason, last.detail)

@@ -6,12 +6,13 @@ only the tail of the prompt, so a dump with ``cached_tokens != 0`` is never usab
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
+from hsx.contract import DumpMeta, tensor_name
 from workers.engine_client import Dump
 
 # Stable reason codes, stored with rejected samples and counted in job reports.
@@ -53,52 +54,76 @@ def validate_dump(
     expected_hidden_size: int,
 ) -> None:
     """Raise :class:`SampleRejected` with the first problem found, in a fixed order; return if usable."""
-    sent = len(sent_ids)
-    dumped = int(dump.meta.num_tokens)
+    expected = [tensor_name(i) for i in sorted(set(expected_hf_indices))]
+    present = {tensor_name(i): state for i, state in dump.states.items()}
+    shapes = {name: tuple(state.shape) for name, state in present.items()}
+    check_dump(
+        dump.meta, dump.input_ids, shapes, sent_ids, cached_tokens_reported, expected, expected_hidden_size
+    )
+    for hf_index in sorted(dump.states):
+        bad = count_non_finite(dump.states[hf_index], dump.dtypes.get(hf_index, "F32"))
+        if bad:
+            size = dump.states[hf_index].size
+            raise SampleRejected(NON_FINITE, f"hidden.{hf_index} has {bad} NaN/Inf values of {size}")
 
-    cached = max(int(cached_tokens_reported), int(dump.meta.cached_tokens))
+
+def check_dump(
+    meta: DumpMeta,
+    dumped_ids: npt.NDArray[Any],
+    state_shapes: Mapping[str, tuple[int, ...]],
+    sent_ids: Sequence[int] | npt.NDArray[Any],
+    cached_tokens_reported: int,
+    expected_tensors: Sequence[str],
+    expected_hidden_size: int,
+) -> None:
+    """Everything but the values: cache reuse, counts, ids, layers, shapes, and the engine's own count of
+    non-finite values where it made one. Raises :class:`SampleRejected` with the first problem found."""
+    sent = len(sent_ids)
+    dumped = int(meta.num_tokens)
+
+    cached = max(int(cached_tokens_reported), int(meta.cached_tokens))
     if cached != 0:
         raise SampleRejected(
             CACHED_TOKENS,
             f"engine reused {cached} cached tokens; dumped {dumped} of {sent} "
-            f"(response said {cached_tokens_reported}, meta said {dump.meta.cached_tokens})",
+            f"(response said {cached_tokens_reported}, meta said {meta.cached_tokens})",
         )
 
     if dumped != sent:
         raise SampleRejected(TOKEN_COUNT, f"meta says {dumped} tokens, {sent} were sent")
-    for name, rows in _row_counts(dump):
-        if rows != sent:
-            raise SampleRejected(TOKEN_COUNT, f"{name} has {rows} rows, {sent} tokens were sent")
+    rows = [("input_ids", int(dumped_ids.size))]
+    rows += [(name, shape[0] if shape else 1) for name, shape in sorted(state_shapes.items())]
+    for name, count in rows:
+        if count != sent:
+            raise SampleRejected(TOKEN_COUNT, f"{name} has {count} rows, {sent} tokens were sent")
 
-    dumped_ids = dump.input_ids.reshape(-1)
+    dumped_flat = dumped_ids.reshape(-1).astype(np.int64)
     sent_array = np.asarray(sent_ids, dtype=np.int64)
-    differing = np.flatnonzero(dumped_ids.astype(np.int64) != sent_array)
+    differing = np.flatnonzero(dumped_flat != sent_array)
     if differing.size:
         first = int(differing[0])
         raise SampleRejected(
             INPUT_IDS_MISMATCH,
             f"{differing.size} of {sent} token ids differ; first at {first}: "
-            f"dumped {int(dumped_ids[first])}, sent {int(sent_array[first])}",
+            f"dumped {int(dumped_flat[first])}, sent {int(sent_array[first])}",
         )
 
-    expected = sorted(set(expected_hf_indices))
-    present = sorted(dump.states)
-    if present != expected:
-        raise SampleRejected(LAYERS_MISMATCH, f"dump has hf indices {present}, expected {expected}")
+    if sorted(state_shapes) != sorted(expected_tensors):
+        raise SampleRejected(
+            LAYERS_MISMATCH, f"dump has {sorted(state_shapes)}, expected {sorted(expected_tensors)}"
+        )
 
-    for hf_index in expected:
-        state = dump.states[hf_index]
-        if state.ndim != 2 or state.shape[1] != expected_hidden_size:
+    for name in expected_tensors:
+        shape = state_shapes[name]
+        if len(shape) != 2 or shape[1] != expected_hidden_size:
             raise SampleRejected(
                 HIDDEN_SIZE_MISMATCH,
-                f"hidden.{hf_index} has shape {list(state.shape)}, expected [{sent}, {expected_hidden_size}]",
+                f"{name} has shape {list(shape)}, expected [{sent}, {expected_hidden_size}]",
             )
 
-    for hf_index in expected:
-        bad = count_non_finite(dump.states[hf_index], dump.dtypes.get(hf_index, "F32"))
-        if bad:
-            size = dump.states[hf_index].size
-            raise SampleRejected(NON_FINITE, f"hidden.{hf_index} has {bad} NaN/Inf values of {size}")
+    for name, count in sorted((meta.non_finite or {}).items()):
+        if count:
+            raise SampleRejected(NON_FINITE, f"{name} has {count} NaN/Inf values (counted by the engine)")
 
 
 def count_non_finite(state: npt.NDArray[Any], dtype: str) -> int:
@@ -107,11 +132,3 @@ def count_non_finite(state: npt.NDArray[Any], dtype: str) -> int:
         words = np.asarray(state).view(np.uint16)
         return int(np.count_nonzero((words & _BF16_EXPONENT_MASK) == _BF16_EXPONENT_MASK))
     return int(np.count_nonzero(~np.isfinite(state)))
-
-
-def _row_counts(dump: Dump) -> list[tuple[str, int]]:
-    counts = [("input_ids", int(dump.input_ids.size))]
-    for hf_index in sorted(dump.states):
-        state = dump.states[hf_index]
-        counts.append((f"hidden.{hf_index}", int(state.shape[0]) if state.ndim >= 1 else 1))
-    return counts

@@ -11,8 +11,12 @@ and the reconciler, which kept running, re-enqueues whatever the new Redis does 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -24,6 +28,7 @@ from hsx.jobs.queue import queue_for, redis_connection
 from hsx.settings import Settings, get_settings
 from workers.job_runner import lease_owner
 from workers.reconciler import FORK_LOCK, ReconcilerThread, expire_leases_of
+from workers.tasks import STOP_SIGNAL
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,13 @@ class HsxWorker(Worker):
     def fork_work_horse(self, job: Any, queue: Any) -> None:
         with FORK_LOCK:  # never while the reconciler thread is mid-pass (see FORK_LOCK)
             super().fork_work_horse(job, queue)
+
+    def handle_warm_shutdown_request(self) -> None:
+        super().handle_warm_shutdown_request()  # type: ignore[no-untyped-call]
+        # A horse works through a job's units one after another: ask it to stop after the one in hand.
+        if self.horse_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.horse_pid, STOP_SIGNAL)
 
     def handle_work_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         super().handle_work_horse_killed(job, retpid, ret_val, rusage)  # type: ignore[no-untyped-call]
@@ -88,3 +100,26 @@ def run_worker(settings: Settings, burst: bool = False, reconcile: bool = True) 
     finally:
         if reconciler is not None:
             reconciler.stopped.set()
+
+
+def run_worker_processes(count: int, burst: bool = False, reconcile: bool = True) -> int:
+    """``hsx worker --processes N``: N worker processes on this host, each with its own unit in flight,
+    all feeding the same engine. SIGTERM and SIGINT are passed on (a warm shutdown of each); the exit code
+    is the worst of theirs."""
+    args = [sys.executable, "-m", "hsx.cli", "worker", "--processes", "1"]
+    args += ["--burst"] if burst else []
+    children = []
+    for number in range(count):
+        # Only the first runs the reconciler: one pass per host is plenty, and every pass is idempotent.
+        extra = [] if reconcile and number == 0 else ["--no-reconciler"]
+        children.append(subprocess.Popen(args + extra))
+
+    def forward(signum: int, _frame: Any) -> None:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [child.wait() for child in children]
+    return max(codes, key=abs, default=0)

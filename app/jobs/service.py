@@ -21,10 +21,8 @@ from hsx.jobs import repository as repo
 from hsx.jobs.finalize import MANIFEST_NAME
 from hsx.jobs.queue import enqueue_wakeups
 from hsx.settings import Settings
-from workers.dataset import DatasetError, validate_dataset_file
-
-# Enough wake-ups for the workers a job can use at once; each processed unit wakes the next.
-MAX_INITIAL_WAKEUPS = 8
+from workers.dataset import DatasetError
+from workers.records import inspect_head
 
 
 def request_hash(body: schemas.JobCreate) -> str:
@@ -32,10 +30,6 @@ def request_hash(body: schemas.JobCreate) -> str:
         {"dataset_uri": body.dataset_uri, "options": body.options.model_dump(mode="json")}, sort_keys=True
     )
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def unit_ranges(total: int, per_unit: int) -> list[tuple[int, int]]:
-    return [(start, min(start + per_unit, total)) for start in range(0, total, per_unit)]
 
 
 class JobService:
@@ -57,11 +51,10 @@ class JobService:
                 return self._same_request(existing, digest), False
         dataset = resolve_dataset_uri(body.dataset_uri, self.settings)
         try:
-            summary = validate_dataset_file(dataset.path, self.settings.max_dataset_bytes)
+            # Bounded work only: counting, indexing and converting are the job's first step, in a worker.
+            inspect_head(str(dataset.path), self.settings.max_dataset_bytes)
         except DatasetError as exc:
             raise BadRequest(exc.detail, error=f"dataset_{exc.reason}") from exc
-        if summary.samples == 0:
-            raise BadRequest("the dataset holds no samples", error="dataset_empty")
         job_id = str(uuid.uuid4())
         job = Job(
             id=job_id,
@@ -73,12 +66,11 @@ class JobService:
             idempotency_key=key,
             request_hash=digest,
             output_dir=str(self.settings.resolved_output_dir / job_id),
-            samples_total=summary.samples,
+            samples_total=0,
+            units_total=0,
         )
-        ranges = unit_ranges(summary.samples, body.options.samples_per_shard)
-        job.units_total = len(ranges)
         try:
-            repo.add_job(self.session, job, ranges)
+            repo.add_job(self.session, job, [])
             self.session.commit()
         except IntegrityError:
             # Another request with the same key committed first: answer with its job.
@@ -87,7 +79,8 @@ class JobService:
             if existing is None:
                 raise
             return self._same_request(existing, digest), False
-        enqueue_wakeups(self.settings, job.id, min(len(ranges), MAX_INITIAL_WAKEUPS))
+        # One wake-up: the worker that prepares the job wakes more as it claims units (workers.job_runner).
+        enqueue_wakeups(self.settings, job.id, 1)
         return job, True
 
     @staticmethod

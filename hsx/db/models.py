@@ -55,6 +55,13 @@ class Job(Base):
     dataset_uri: Mapped[str] = mapped_column(Text)
     dataset_path: Mapped[str] = mapped_column(Text)
     dataset_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # Set once by the worker that prepared the job: the local JSONL every unit reads its byte range of,
+    # and its size then (a file that changed since is refused, not read at shifted offsets).
+    records_path: Mapped[str | None] = mapped_column(Text, nullable=True)
+    records_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # The lease on preparing a queued job (indexing its dataset, creating its units): one worker does it.
+    prepare_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    prepare_expires: Mapped[float | None] = mapped_column(Float, nullable=True)
     options: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True, nullable=True)
     request_hash: Mapped[str] = mapped_column(String(64))
@@ -86,6 +93,9 @@ class WorkUnit(Base):
     unit_index: Mapped[int] = mapped_column(Integer)
     sample_start: Mapped[int] = mapped_column(Integer)
     sample_end: Mapped[int] = mapped_column(Integer)
+    # Where the unit's records lie in the job's records file: a unit reads its own bytes, nothing else.
+    byte_start: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    byte_end: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     state: Mapped[str] = mapped_column(String(16), default=UnitState.pending.value)
     # Fencing token: every claim bumps it, and every write of results names the attempt it belongs to.
     attempt: Mapped[int] = mapped_column(Integer, default=0)
@@ -107,7 +117,9 @@ class Shard(Base):
     # "<job_id>/<unit_index>": a unit's results are recorded once, whatever retried it.
     key: Mapped[str] = mapped_column(String(100), unique=True)
     path: Mapped[str] = mapped_column(Text)
+    # Schema 2 shards: sha256 of the data section (written as a stream) and of the header, apart.
     sha256: Mapped[str] = mapped_column(String(64))
+    header_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
     bytes: Mapped[int] = mapped_column(BigInteger)
     samples: Mapped[int] = mapped_column(Integer)
     tokens: Mapped[int] = mapped_column(BigInteger)

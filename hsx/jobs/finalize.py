@@ -52,9 +52,16 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
                     bytes=s.bytes,
                     samples=s.samples,
                     tokens=s.tokens,
+                    header_sha256=s.header_sha256,
                 )
                 for s in shards
             ],
+            final_state=str(engine.get("final_state", "post")),
+            engine={
+                "backend": engine.get("backend", ""),
+                "protocol_version": engine.get("protocol_version"),
+                **dict(engine.get("extra", {})),
+            },
             extra={"dataset_uri": job.dataset_uri, "options": dict(job.options)},
         )
         try:

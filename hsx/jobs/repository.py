@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from hsx.db.models import Job, JobState, Rejection, Shard, UnitState, WorkUnit, utcnow
@@ -23,6 +23,8 @@ class ClaimedUnit:
     sample_end: int
     attempt: int
     owner: str
+    byte_start: int | None = None
+    byte_end: int | None = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class ShardRow:
     bytes: int
     samples: int
     tokens: int
+    header_sha256: str | None = None
 
 
 # --- jobs -----------------------------------------------------------------------------------------------
@@ -51,6 +54,72 @@ def add_job(session: Session, job: Job, unit_ranges: Sequence[tuple[int, int]]) 
         WorkUnit(job_id=job.id, unit_index=i, sample_start=start, sample_end=end)
         for i, (start, end) in enumerate(unit_ranges)
     )
+
+
+def begin_prepare(session: Session, job_id: str, owner: str, lease_seconds: float, now: float) -> bool:
+    """Take the lease on preparing a queued job that has no units yet; False when another worker holds it
+    or the job is past that step."""
+    result = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.state == JobState.queued.value,
+            Job.units_total == 0,
+            or_(Job.prepare_expires.is_(None), Job.prepare_expires < now, Job.prepare_owner == owner),
+        )
+        .values(prepare_owner=owner, prepare_expires=now + lease_seconds)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def record_prepared(
+    session: Session,
+    job_id: str,
+    owner: str,
+    records_path: str,
+    records_bytes: int,
+    units: Sequence[tuple[int, int, int, int]],
+) -> bool:
+    """Store the prepared records and create the units ``(sample_start, sample_end, byte_start,
+    byte_end)``, fenced on the prepare lease; False (nothing written) when the lease was lost."""
+    samples = units[-1][1] if units else 0
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.prepare_owner == owner, Job.units_total == 0)
+        .values(
+            records_path=records_path,
+            records_bytes=records_bytes,
+            samples_total=samples,
+            units_total=len(units),
+            prepare_expires=None,
+            updated_at=utcnow(),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    if not result.rowcount:  # type: ignore[attr-defined]
+        return False
+    if units:
+        session.execute(
+            insert(WorkUnit),
+            [
+                {
+                    "job_id": job_id,
+                    "unit_index": i,
+                    "sample_start": s0,
+                    "sample_end": s1,
+                    "byte_start": b0,
+                    "byte_end": b1,
+                    "state": UnitState.pending.value,
+                    "attempt": 0,
+                    "samples_done": 0,
+                    "samples_rejected": 0,
+                    "tokens": 0,
+                }
+                for i, (s0, s1, b0, b1) in enumerate(units)
+            ],
+        )
+    return True
 
 
 def get_job(session: Session, job_id: str) -> Job | None:
@@ -139,7 +208,15 @@ def claim_unit(
             assert unit is not None
             session.refresh(unit)
             return ClaimedUnit(
-                unit.id, unit.job_id, unit.unit_index, unit.sample_start, unit.sample_end, unit.attempt, owner
+                unit.id,
+                unit.job_id,
+                unit.unit_index,
+                unit.sample_start,
+                unit.sample_end,
+                unit.attempt,
+                owner,
+                unit.byte_start,
+                unit.byte_end,
             )
     return None
 
@@ -231,6 +308,7 @@ def commit_unit(
                 key=f"{unit.job_id}/{unit.unit_index}",
                 path=shard.path,
                 sha256=shard.sha256,
+                header_sha256=shard.header_sha256,
                 bytes=shard.bytes,
                 samples=shard.samples,
                 tokens=shard.tokens,

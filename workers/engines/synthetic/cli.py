@@ -1,0 +1,70 @@
+"""``hsx engine --backend synthetic``: serve the synthetic engine (benchmarks and scale tests)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hsx engine --backend synthetic",
+        description="An engine that speaks the hsx protocol and writes patterned states at memory speed.",
+    )
+    parser.add_argument("--hidden-size", type=int, default=4096)
+    parser.add_argument("--num-layers", type=int, default=32)
+    parser.add_argument(
+        "--aux-layers", default=None, help="decoder layer ids, e.g. 1,14,28 (default EAGLE-3)"
+    )
+    parser.add_argument("--final-state", choices=["post", "pre", "both"], default="post")
+    parser.add_argument(
+        "--tokenizer",
+        default="",
+        help="tokenizer directory reported as the model path (for chat templates); 'default' for the "
+        "default model's",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--dump-dir", default=None, help="where dumps go (default: HSX_DUMP_DIR's value)")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    import uvicorn
+
+    from hsx.settings import get_settings
+    from workers.engines.synthetic.engine import SyntheticConfig, SyntheticEngine
+    from workers.engines.synthetic.server import create_app
+
+    settings = get_settings()
+    tokenizer = args.tokenizer
+    try:
+        if tokenizer == "default":
+            from workers.engines.model_store import DEFAULT_MODEL, resolve_model_dir
+
+            tokenizer = str(resolve_model_dir(DEFAULT_MODEL, settings))
+        aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+        engine = SyntheticEngine(
+            SyntheticConfig(
+                hidden_size=args.hidden_size,
+                num_layers=args.num_layers,
+                dump_dir=os.path.abspath(args.dump_dir or settings.resolved_dump_dir),
+                model_path=tokenizer,
+                aux_layer_ids=aux,
+                final_state=args.final_state,
+            )
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"hsx synthetic engine: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,140 @@
+"""A synthetic engine for benchmarks and scale tests: the hsx engine protocol (hsx/contract.py) exactly,
+with states from a cheap deterministic pattern instead of a model.
+
+It answers ``/generate`` like SGLang (``cached_tokens`` always 0, no prefix cache), writes contract-exact
+dumps for ``hsx-`` rids (``input_ids`` and one tensor per captured layer, ``meta.json`` last, with its own
+count of non-finite values), and reports ``backend: synthetic`` in ``/hsx/info`` so a job made with it
+says so in its manifest. The row of token ``t`` in the tensor of HF index ``l`` is row ``(t + 31 l) % 256``
+of a fixed table of finite bf16 values: the bytes cost only memory bandwidth, so what is measured behind it
+is the worker side. No torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from hsx import contract
+from hsx.safetensors_io import encode_header
+
+BACKEND = "synthetic"
+PATTERN_ROWS = 256
+ROWS_PER_WRITE = 256
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    hidden_size: int
+    num_layers: int
+    dump_dir: str
+    model_path: str = ""  # a tokenizer directory, for jobs that apply a chat template
+    aux_layer_ids: list[int] | None = None
+    final_state: str = "post"
+
+
+def pattern_table(hidden_size: int, seed: int = 7) -> npt.NDArray[np.uint16]:
+    """bf16 words of finite values in [-2, 2): the float32 bits' upper halves."""
+    values = np.random.default_rng(seed).uniform(-2.0, 2.0, size=(PATTERN_ROWS, hidden_size))
+    return (values.astype(np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+
+
+class SyntheticEngine:
+    def __init__(self, config: SyntheticConfig) -> None:
+        if config.hidden_size < 1:
+            raise ValueError("hidden size must be positive")
+        if config.final_state not in contract.FINAL_STATES:
+            raise ValueError(f"final state must be one of {contract.FINAL_STATES}")
+        self.config = config
+        aux = config.aux_layer_ids or contract.eagle3_aux_layer_ids(config.num_layers)
+        self.aux_layer_ids = list(aux)
+        self.hf_indices = contract.hf_indices(self.aux_layer_ids, config.num_layers)
+        self.table = pattern_table(config.hidden_size)
+        os.makedirs(config.dump_dir, exist_ok=True)
+
+    def tensor_names(self) -> list[tuple[str, int]]:
+        """(dump tensor name, HF index whose pattern fills it)."""
+        names = [(contract.tensor_name(i), i) for i in self.hf_indices[:-1]]
+        final = self.hf_indices[-1]
+        if self.config.final_state in ("post", "both"):
+            names.append((contract.tensor_name(final), final))
+        if self.config.final_state in ("pre", "both"):
+            names.append((contract.PRE_NORM_TENSOR, final + 1))
+        return names
+
+    def info(self) -> contract.EngineInfo:
+        return contract.EngineInfo(
+            backend=BACKEND,
+            model_path=self.config.model_path,
+            num_layers=self.config.num_layers,
+            hidden_size=self.config.hidden_size,
+            dtype="bfloat16",
+            aux_layer_ids=self.aux_layer_ids,
+            hf_indices=self.hf_indices,
+            dump_dir=self.config.dump_dir,
+            prefix_cache=False,
+            final_state=self.config.final_state,
+            extra={"pattern": f"table[(token + 31 * hf_index) % {PATTERN_ROWS}]"},
+        )
+
+    def prefill(self, input_ids: list[int], rid: str) -> None:
+        """Write the dump of a captured request (others leave no trace)."""
+        if not contract.is_captured_rid(rid):
+            return
+        directory = contract.dump_path(self.config.dump_dir, rid)
+        os.makedirs(directory, exist_ok=False)
+        try:
+            self._write_states(os.path.join(directory, contract.STATES_FILE), input_ids)
+            meta = contract.DumpMeta(
+                rid=rid,
+                num_tokens=len(input_ids),
+                prompt_tokens=len(input_ids),
+                cached_tokens=0,
+                hidden_size=self.config.hidden_size,
+                dtype="bfloat16",
+                num_layers=self.config.num_layers,
+                aux_layer_ids=self.aux_layer_ids,
+                hf_indices=self.hf_indices,
+                engine=BACKEND,
+                non_finite={name: 0 for name, _ in self.tensor_names()},
+            )
+            contract.write_meta_atomically(directory, meta)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+
+    def _write_states(self, path: str, input_ids: list[int]) -> None:
+        ids = np.asarray(input_ids, dtype="<i4")
+        tokens, hidden = len(ids), self.config.hidden_size
+        names = self.tensor_names()
+        entries = [("input_ids", "I32", [tokens], ids.nbytes)]
+        entries += [(name, "BF16", [tokens, hidden], tokens * hidden * 2) for name, _ in names]
+        rows = np.empty((min(tokens, ROWS_PER_WRITE), hidden), dtype="<u2")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, encode_header(entries))
+            _write_all(fd, ids.tobytes())
+            for _name, hf_index in names:
+                pattern = (ids.astype(np.int64) + 31 * hf_index) % PATTERN_ROWS
+                for start in range(0, tokens, ROWS_PER_WRITE):
+                    part = pattern[start : start + ROWS_PER_WRITE]
+                    np.take(self.table, part, axis=0, out=rows[: len(part)])
+                    _write_all(fd, rows[: len(part)].data.cast("B"))
+        finally:
+            os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def expected_state(
+    table: npt.NDArray[np.uint16], input_ids: npt.NDArray[np.integer], hf_index: int
+) -> npt.NDArray[np.uint16]:
+    """What the engine writes for one tensor: tests compare shards with it."""
+    return table[(np.asarray(input_ids, dtype=np.int64) + 31 * hf_index) % PATTERN_ROWS]

@@ -1,0 +1,66 @@
+"""The HTTP face of the synthetic engine: the part of SGLang's server API that hsx uses."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from hsx import contract
+from workers.engines.synthetic.engine import SyntheticEngine
+
+
+def _bad(detail: str) -> JSONResponse:
+    return JSONResponse(status_code=400, content={"error": "bad_request", "detail": detail})
+
+
+def create_app(engine: SyntheticEngine) -> FastAPI:
+    app = FastAPI(title="hsx synthetic engine", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.post("/generate", response_model=None)
+    async def generate(request: Request) -> dict[str, Any] | JSONResponse:
+        started = time.monotonic()
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            return _bad(f"body is not JSON: {exc}")
+        ids = body.get("input_ids") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            return _bad("input_ids must be a non-empty list of non-negative integers")
+        rid = body.get("rid")
+        if rid is not None and not isinstance(rid, str):
+            return _bad("rid must be a string")
+        await run_in_threadpool(engine.prefill, ids, rid or "")
+        return {
+            "output_ids": [0],
+            "meta_info": {
+                "id": rid,
+                "prompt_tokens": len(ids),
+                "cached_tokens": 0,
+                "completion_tokens": 1,
+                "finish_reason": {"type": "length", "length": 1},
+                "e2e_latency": time.monotonic() - started,
+            },
+        }
+
+    @app.get("/health")
+    def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    def health_generate() -> Response:
+        return Response(status_code=200)
+
+    @app.get(contract.INFO_PATH)
+    def info() -> dict[str, Any]:
+        return engine.info().to_dict()
+
+    @app.post("/flush_cache")
+    def flush_cache() -> Response:
+        return Response(content="Cache flushed.\n", status_code=200)
+
+    return app

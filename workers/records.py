@@ -1,0 +1,227 @@
+"""A job's records: prepared once per job, then read one unit at a time by byte range.
+
+Preparing (the first step of a job, done by one worker under a lease, never inside the API request):
+the dataset becomes a local JSONL file (a JSONL dataset is used in place; a JSON array is converted once
+into ``<output_dir>/.prepared/records.jsonl``), which is scanned once to find where every unit's records
+begin and end. A unit then reads exactly its own bytes: the cost of a unit does not grow with the
+dataset, and no index is loaded per unit.
+
+Sample numbering is that of :mod:`workers.dataset`: sample ``i`` is the ``i``-th non-blank line. A record
+may also be pre-tokenized (``{"input_ids": [...], "loss_mask": [...]}``): it skips the chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workers.dataset import (
+    EMPTY_CONVERSATION,
+    MALFORMED_JSON,
+    WRONG_SHAPE,
+    DatasetError,
+    RawSample,
+    RecordFormat,
+    SampleError,
+    _iter_nonblank_lines,
+    _load_array,
+    detect_layout,
+    normalize_record,
+)
+
+PREPARED_DIR = ".prepared"
+RECORDS_FILE = "records.jsonl"
+DATASET_CHANGED = "dataset_changed"
+
+
+@dataclass(frozen=True)
+class Pretokenized:
+    """A record that brings its own tokens and loss mask."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+Record = RawSample | Pretokenized
+
+
+@dataclass(frozen=True)
+class UnitRange:
+    sample_start: int
+    sample_end: int
+    byte_start: int
+    byte_end: int
+
+
+@dataclass(frozen=True)
+class PreparedRecords:
+    path: str
+    bytes: int
+    samples: int
+    units: list[UnitRange]
+
+
+def prepared_dir(output_dir: str | os.PathLike[str]) -> Path:
+    return Path(output_dir) / PREPARED_DIR
+
+
+def local_records(dataset_path: str, work_dir: Path) -> str:
+    """A local JSONL file holding the dataset's records, one per line."""
+    if detect_layout(dataset_path) == "jsonl":
+        return dataset_path
+    target = work_dir / RECORDS_FILE
+    records = _load_array(dataset_path)  # once per job, in a worker
+    work_dir.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for record in records:
+            fh.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")))
+            fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, target)
+    return str(target)
+
+
+def plan_units(records_path: str, samples_per_unit: int) -> PreparedRecords:
+    """One pass over the file: sample count and each unit's byte range."""
+    if samples_per_unit < 1:
+        raise ValueError("samples_per_unit must be positive")
+    size = os.stat(records_path).st_size
+    starts: list[int] = []
+    samples = 0
+    for offset, _line in _iter_nonblank_lines(records_path):
+        if samples % samples_per_unit == 0:
+            starts.append(offset)
+        samples += 1
+    units = [
+        UnitRange(
+            sample_start=i * samples_per_unit,
+            sample_end=min((i + 1) * samples_per_unit, samples),
+            byte_start=start,
+            byte_end=starts[i + 1] if i + 1 < len(starts) else size,
+        )
+        for i, start in enumerate(starts)
+    ]
+    return PreparedRecords(path=records_path, bytes=size, samples=samples, units=units)
+
+
+def prepare(dataset_path: str, output_dir: str, samples_per_unit: int) -> PreparedRecords:
+    return plan_units(local_records(dataset_path, prepared_dir(output_dir)), samples_per_unit)
+
+
+def parse_record(line: bytes, record_format: RecordFormat = "auto") -> Record:
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        return SampleError(MALFORMED_JSON, str(exc)[:200])
+    if isinstance(record, dict) and "input_ids" in record and record_format == "auto":
+        return pretokenized(record)
+    return normalize_record(record, record_format)
+
+
+def pretokenized(record: dict[str, Any]) -> Pretokenized | SampleError:
+    ids, mask = record.get("input_ids"), record.get("loss_mask")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return SampleError(WRONG_SHAPE, "input_ids must be a list of integers")
+    if not ids:
+        return SampleError(EMPTY_CONVERSATION, "input_ids is empty")
+    if min(ids) < 0:
+        return SampleError(WRONG_SHAPE, "input_ids holds a negative id")
+    if mask is None:
+        mask = [1] * len(ids)
+    if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+        return SampleError(WRONG_SHAPE, "loss_mask must be a list of 0 and 1 as long as input_ids")
+    return Pretokenized(input_ids=list(ids), loss_mask=[int(m) for m in mask])
+
+
+def read_unit(
+    records_path: str,
+    expected_bytes: int | None,
+    unit: UnitRange,
+    record_format: RecordFormat = "auto",
+) -> Iterator[tuple[int, Record]]:
+    """Yield ``(index, record)`` for every sample of the unit, reading only the unit's bytes."""
+    try:
+        with open(records_path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if expected_bytes is not None and size != expected_bytes:
+                raise DatasetError(
+                    DATASET_CHANGED,
+                    f"{records_path} has {size} bytes, {expected_bytes} when the job was prepared",
+                )
+            fh.seek(unit.byte_start)
+            blob = fh.read(unit.byte_end - unit.byte_start)
+    except FileNotFoundError as exc:
+        raise DatasetError("not_found", f"{records_path} is gone since the job was prepared") from exc
+    if unit.byte_start == 0 and blob.startswith(b"\xef\xbb\xbf"):
+        blob = blob[3:]
+    index = unit.sample_start
+    for line in blob.split(b"\n"):  # the same line breaks as workers.dataset counts
+        if not line.strip(b" \t\r\n"):
+            continue
+        if index >= unit.sample_end:
+            raise DatasetError(
+                DATASET_CHANGED, f"unit bytes hold more than {unit.sample_end - unit.sample_start} records"
+            )
+        yield index, parse_record(line, record_format)
+        index += 1
+    if index != unit.sample_end:
+        raise DatasetError(
+            DATASET_CHANGED,
+            f"unit holds {index - unit.sample_start} records, expected {unit.sample_end - unit.sample_start}",
+        )
+
+
+def inspect_head(path: str, max_bytes: int, head_records: int = 8) -> str:
+    """The submit-time check, bounded in cost whatever the file's size: the size limit, and that the first
+    records are JSON objects of a known kind. Returns the format guess; raises :class:`DatasetError`."""
+    try:
+        size = os.stat(path).st_size
+    except OSError as exc:
+        raise DatasetError("not_found", f"cannot read {path}: {exc.strerror}") from exc
+    if size > max_bytes:
+        raise DatasetError("too_large", f"{size} bytes, the limit is {max_bytes}")
+    head: list[Any] = []
+    if detect_layout(path) == "json_array":
+        if size > SMALL_ARRAY_BYTES:
+            return "deferred"  # parsed once by the worker that prepares the job
+        head = _load_array(path)[:head_records]
+    else:
+        for _, line in _iter_nonblank_lines(path):
+            try:
+                head.append(json.loads(line))
+            except (ValueError, RecursionError):
+                head.append(None)
+            if len(head) >= head_records:
+                break
+    if not head:
+        raise DatasetError("empty_file", "the file holds no records")
+    if not any(isinstance(record, dict) for record in head):
+        raise DatasetError("not_json_lines", f"none of the first {len(head)} records is a JSON object")
+    kinds = {kind for kind in map(record_kind, head) if kind is not None}
+    if not kinds:
+        raise DatasetError(
+            "unrecognized_format",
+            "records have neither 'messages', 'conversations' (sharegpt) nor 'input_ids' (pre-tokenized)",
+        )
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+# A JSON array this small is parsed at submit, so a wrong file is refused at once; larger ones by the worker.
+SMALL_ARRAY_BYTES = 16 << 20
+
+
+def record_kind(record: Any) -> str | None:
+    if isinstance(record, dict):
+        if "messages" in record:
+            return "messages"
+        if "conversations" in record:
+            return "sharegpt"
+        if "input_ids" in record:
+            return "pretokenized"
+    return None
