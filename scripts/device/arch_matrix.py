@@ -137,11 +137,13 @@ class ArchRun:
         with open(os.path.join(os.path.dirname(self.log_path), "server_pids"), "a") as fh:
             fh.write(f"{self.proc.pid}\n")
 
-    def stop(self) -> None:
+    def stop(self, fast: bool = False) -> None:
+        """Stop the server's process group (``fast``: at the deadline, SIGKILL at once)."""
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        steps = ((signal.SIGKILL, 5),) if fast else ((signal.SIGTERM, 20), (signal.SIGKILL, 10))
+        for sig, wait in steps:
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
@@ -174,6 +176,7 @@ def serve_and_check(run: ArchRun, prev: ArchRun | None, deadline: float) -> None
         if time.time() > deadline - 30:
             return run.fail("not run: time budget")
         run.launch()
+        run.result["status"] = "launched"
         gate = time.time() + (240 if prev is None else 120)
 
         def pool_sized() -> bool:
@@ -356,7 +359,9 @@ def main() -> int:
             r.refs_ready.set()
             if r.result["status"] in ("not started", "model ready"):
                 r.result["status"] = "not run: time budget"
-            r.stop()
+            elif r.result["status"] == "launched":
+                r.result["status"] = "stopped at the deadline before its check finished"
+            r.stop(fast=True)
         results = {r.name: dict(r.result) for r in runs}
         with open(os.path.join(a.out, "matrix.json"), "w") as fh:
             json.dump(results, fh, indent=1, default=str)

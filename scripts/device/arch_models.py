@@ -156,10 +156,13 @@ def make_model(
     config = build_config(name, tiny)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config)
+    model = model.to(torch.bfloat16)
     perturb(model, name, seed)
     model.save_pretrained(out_dir)
     del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the servers size their memory pools from what is free
     return config
 
 
