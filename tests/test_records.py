@@ -166,7 +166,6 @@ def test_jsonl_is_used_in_place(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="local_records writes a lone surrogate with ensure_ascii=False")
 def test_json_array_with_an_escaped_lone_surrogate_converts(tmp_path: Path) -> None:
     array = tmp_path / "data.json"
     array.write_text(

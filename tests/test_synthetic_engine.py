@@ -156,7 +156,6 @@ def test_bad_bodies_get_400(server: Server, body: bytes) -> None:
     assert set(os.listdir(server.dump_dir)) == before
 
 
-@pytest.mark.xfail(strict=True, reason="the synthetic server answers 500 for a rid it cannot dump under")
 @pytest.mark.parametrize("rid", ["hsx-../escape", "hsx-" + "x" * 300, "hsx-synthetic-test-duplicate"])
 def test_a_rid_that_cannot_be_dumped_gets_a_4xx(server: Server, rid: str) -> None:
     body = {"input_ids": [1, 2], "rid": rid}
