@@ -6,10 +6,15 @@ from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
 from app.deps import SessionDep, SettingsDep
 from app.jobs.schemas import ErrorOut, VerifyOut
+from hsx import engine_fitness
+from hsx.engine_client import EngineClient, EngineError, EngineUnfit
+from hsx.jobs import repository as repo
 from hsx.jobs.queue import redis_connection
+from hsx.settings import Settings
 
 health_router = APIRouter(tags=["health"])
 verify_router = APIRouter(tags=["verify"])
@@ -22,9 +27,11 @@ def healthz() -> dict[str, str]:
 
 @health_router.get("/readyz")
 def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
-    import httpx
-
+    """Ready when the database, Redis and a fit engine answer. ``engine`` says why an engine is unfit;
+    ``engine_notes`` what it leaves unchecked, and ``engine_unfit_for_jobs`` which active jobs it could
+    not serve (another model than theirs, say): informative, they do not make the API unready."""
     checks: dict[str, str] = {}
+    body: dict[str, object] = {}
     try:
         session.execute(text("SELECT 1"))
         checks["database"] = "ok"
@@ -35,13 +42,34 @@ def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
         checks["redis"] = "ok"
     except Exception as exc:  # noqa: BLE001
         checks["redis"] = f"error: {exc.__class__.__name__}"
-    try:
-        httpx.get(settings.engine_url.rstrip("/") + "/health", timeout=5).raise_for_status()
-        checks["engine"] = "ok"
-    except Exception as exc:  # noqa: BLE001
-        checks["engine"] = f"error: {exc.__class__.__name__}"
+    checks["engine"], notes, unfit = engine_readiness(session, settings)
+    if notes:
+        body["engine_notes"] = notes
+    if unfit:
+        body["engine_unfit_for_jobs"] = unfit
     ok = all(v == "ok" for v in checks.values())
-    return JSONResponse({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
+    return JSONResponse({"ready": ok, "checks": checks, **body}, status_code=200 if ok else 503)
+
+
+def engine_readiness(session: Session, settings: Settings) -> tuple[str, list[str], dict[str, str]]:
+    """``ok`` or why the configured engine is unfit; notes; why it could not serve each active job."""
+    try:
+        with EngineClient(settings.engine_url, timeout=5, retries=0) as client:
+            info = client.info()
+    except EngineUnfit as exc:
+        return f"unfit: {exc}", [], {}
+    except EngineError as exc:
+        return f"error: {exc}", [], {}
+    problem = engine_fitness.protocol_problem(info)
+    notes = engine_fitness.unreported_identity(info)
+    if info.prefix_cache:
+        notes.append("prefix cache on: only jobs with cache_namespace_per_request=true can use this engine")
+    unfit: dict[str, str] = {}
+    for job in repo.active_jobs(session):
+        reason = engine_fitness.unfit_reason(info, dict(job.options), job.engine)
+        if reason:
+            unfit[job.id] = reason
+    return (f"unfit: {problem}" if problem else "ok"), notes, unfit
 
 
 @verify_router.post(

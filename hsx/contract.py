@@ -37,6 +37,8 @@ INFO_PATH = "/hsx/info"
 # (``--final-state pre|both``); vLLM's extractor and the speculators trainer use it. Dump tensor name:
 PRE_NORM_TENSOR = "final_pre_norm"
 FINAL_STATES = ("post", "pre", "both")
+# The key of EngineInfo.extra that names the model's weights and config (hsx.model_identity).
+MODEL_FINGERPRINT = "model_fingerprint"
 LAYER_CONVENTION = (
     "eagle3: aux id L = output of decoder layer L = HF hidden_states[L+1]; "
     "final = post-norm output = HF hidden_states[N]"
@@ -121,10 +123,19 @@ class EngineInfo:
     # captured, as PRE_NORM_TENSOR; "both": both.
     final_state: str = "post"
     # Engine-specific facts worth recording with a job (version, tensor-parallel size, chunk size, ...).
+    # ``extra[MODEL_FINGERPRINT]`` identifies the weights and config (see hsx.model_identity): two
+    # checkpoints of one shape differ there and nowhere else.
     extra: dict[str, Any] = field(default_factory=dict)
+    # The most positions a prompt may have (the model's context length); None when the engine does not say.
+    context_length: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def model_fingerprint(self) -> str | None:
+        value = self.extra.get(MODEL_FINGERPRINT)
+        return value if isinstance(value, str) and value else None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> EngineInfo:

@@ -1,10 +1,13 @@
-"""The one error type the service raises on purpose, rendered as ``{"error": code, "detail": text}``.
+"""The one error base of the project: a stable code and a detail, rendered as ``{"error", "detail"}``.
 
 Standard library only: workers and the engine plugin raise these too, without FastAPI. The API registers a
 single exception handler that turns any :class:`HsxError` into a JSON response with :attr:`status_code`,
 :meth:`body` and :attr:`headers`.
 
 ``error`` is a stable machine-readable code (clients branch on it); ``detail`` is for humans and may change.
+Per-sample and per-file problems (a rejected sample, an unusable dataset, an engine's refusal) are
+:class:`ReasonError` s: the same code and detail, raised as ``X(reason, detail)``; the code is what a
+rejection row stores as its ``reason``.
 """
 
 from __future__ import annotations
@@ -27,8 +30,27 @@ class HsxError(Exception):
     def body(self) -> dict[str, str]:
         return {"error": self.error, "detail": self.detail}
 
+    @property
+    def reason(self) -> str:
+        """The stable code, under the name rejections and job errors use for it."""
+        return self.error
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(error={self.error!r}, detail={self.detail!r})"
+
+
+class ReasonError(HsxError):
+    """A problem with one input (a sample, a record, a file) named by a reason code, raised positionally
+    as ``X(reason, detail)``; ``str()`` gives ``"reason: detail"``."""
+
+    status_code = 422
+    error = "rejected"
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(detail, error=reason)
+
+    def __str__(self) -> str:
+        return f"{self.error}: {self.detail}" if self.detail else self.error
 
 
 class BadRequest(HsxError):
@@ -69,3 +91,10 @@ class UnsupportedMediaType(HsxError):
 class ServiceUnavailable(HsxError):
     status_code = 503
     error = "service_unavailable"
+
+
+class Unprocessable(HsxError):
+    """Well-formed, but not doable as asked (a max_length beyond the engine's context, say)."""
+
+    status_code = 422
+    error = "unprocessable"

@@ -44,6 +44,8 @@ class Counts:
     samples: int = 0
     rejected: int = 0
     tokens: int = 0
+    # Kept samples that were cut to the job's max_length (GET /jobs/{id}/truncations lists them).
+    truncated: int = 0
 
 
 @dataclass

@@ -67,6 +67,17 @@ class Settings(BaseSettings):
     max_inflight_dump_bytes: int = 4 << 30
     # Worker processes `hsx worker` starts on this host (each one unit in flight at a time).
     worker_processes: int = 1
+    # Attempts of a unit that may end in an error (a work horse that dies counts too) before the unit, and
+    # its job, fail with the last reason. Failures no retry heals (dataset gone, disk full) fail at once.
+    unit_max_failures: int = 3
+    # A job that no fit engine has worked on for this long (every engine that tried is unfit or down, and
+    # no lease is live) fails, naming them; until then it waits for a healthy worker.
+    no_fit_engine_seconds: float = 300.0
+    # Refuse a job whose projected output does not fit in the output filesystem's free space (at prepare).
+    # Off for filesystems whose free space means nothing (some network and FUSE mounts).
+    check_output_space: bool = True
+    # Chat records encoded at prepare to estimate the output's size.
+    projection_sample_records: int = 64
 
     # Security and input limits.
     api_token: SecretStr | None = None

@@ -5,6 +5,10 @@ whose prefix cache is on (SGLang's radix cache by default) recomputes only the s
 dumps a truncated capture, which shows up here as a failing ``cached_tokens`` check. Each dump must also
 hold exactly the sent tokens, every expected layer, the model's hidden size and only finite values.
 
+It also says why an engine is unfit, before any prompt: a protocol it does not speak, a prefix cache
+that is on, and, given a job (its engine record and options), how it differs from the engine that job
+started with (``hsx verify --job ID``; see :mod:`hsx.engine_fitness`).
+
 No torch: the API runs this. A torch comparison against transformers plugs in through ``dump_check``.
 """
 
@@ -13,15 +17,15 @@ from __future__ import annotations
 import os
 import re
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from hsx import contract
-from workers.engine_client import Dump, DumpMissing, EngineClient, EngineError, EngineRejected
-from workers.validation import count_non_finite
+from hsx import contract, engine_fitness
+from hsx.engine_client import Dump, DumpMissing, EngineClient, EngineError, EngineRejected
+from hsx.validation import count_non_finite
 
 # About 50 tokens shared by both prompts, then different endings: long enough that any prefix cache hits.
 SHARED_PREFIX = (
@@ -73,13 +77,16 @@ def run_verification(
     dump_check: DumpCheck | None = None,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     dump_wait_seconds: float = DEFAULT_DUMP_WAIT_SECONDS,
+    job: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
-    """Verify the engine at ``engine_url``; engine failures become failing checks, never exceptions."""
+    """Verify the engine at ``engine_url``; engine failures become failing checks, never exceptions.
+    ``job``: a job document (``engine`` and ``options``) the engine is checked against as well."""
     checks: list[Check] = []
     with EngineClient(engine_url, timeout=timeout, retries=1, backoff=0.2) as client:
         info = _engine_info(client, checks)
         if info is None:
             return _report(checks)
+        checks.extend(fitness_checks(info, job))
         tokenizer: Tokenizer | None = None
         engine_tokenizer = os.path.join(info.model_path, "tokenizer.json") if info.model_path else ""
         if tokenizer_path or os.path.isfile(engine_tokenizer):
@@ -118,10 +125,37 @@ def _engine_info(client: EngineClient, checks: list[Check]) -> contract.EngineIn
         "protocol_version": info.protocol_version,
         "hf_indices": info.hf_indices,
         "prefix_cache": info.prefix_cache,
+        "context_length": info.context_length,
+        "model_fingerprint": info.model_fingerprint,
     }
     ok = info.protocol_version == contract.PROTOCOL_VERSION
     checks.append(Check("engine_info", ok, expected, summary))
     return info if ok else None
+
+
+def fitness_checks(info: contract.EngineInfo, job: Mapping[str, Any] | None = None) -> list[Check]:
+    """Why the engine is unfit before any prompt is sent: its prefix cache (every job that sends no
+    per-request namespace would lose states), what it leaves unreported, and a given job's requirements."""
+    checks = [
+        Check(
+            "prefix_cache",
+            not info.prefix_cache,
+            "off (SGLang: --disable-radix-cache)",
+            "on: a cached prefix is not computed, so not dumped" if info.prefix_cache else "off",
+        ),
+        Check(
+            "identity",
+            True,
+            "model_fingerprint and context_length reported",
+            engine_fitness.unreported_identity(info) or "both reported",
+        ),
+    ]
+    if job is not None:
+        reason = engine_fitness.unfit_reason(info, dict(job.get("options") or {}), job.get("engine") or None)
+        checks.append(
+            Check("job_fitness", reason is None, f"fit for job {job.get('id', '?')}", reason or "fit")
+        )
+    return checks
 
 
 def _load_tokenizer(path: str, checks: list[Check]) -> Tokenizer | None:

@@ -17,7 +17,7 @@ import torch
 from hsx import contract
 from hsx.settings import Settings
 from tests.fixtures.engine import RunningEngine, captured_rid, unique_prompt
-from workers.engine_client import Dump, as_float32
+from hsx.engine_client import Dump, as_float32
 from workers.engines.model_store import DEFAULT_MODEL, convert_gguf, resolve_model_dir
 from workers.engines.reference.cli import build_parser
 from workers.engines.reference.engine import PrefixCache, tensor_bytes

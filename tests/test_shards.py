@@ -43,7 +43,7 @@ from tests.fixtures.v1_shards import (
 from workers.dump_file import open_dump
 from workers.engines.synthetic.engine import SyntheticConfig, SyntheticEngine, expected_state
 from workers.shards import ShardStream, ShardWriteError, canonical_state_dtype, data_sha256
-from workers.validation import NON_FINITE, SampleRejected
+from hsx.validation import NON_FINITE, SampleRejected
 
 
 @pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])

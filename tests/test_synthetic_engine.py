@@ -17,14 +17,14 @@ import pytest
 from hsx import contract
 from hsx.local_stack import free_port, hsx_command, local_stack, wait_http
 from hsx.safetensors_io import read_file
-from workers.engine_client import EngineClient, read_dump
+from hsx.engine_client import EngineClient, read_dump
 from workers.engines.synthetic.engine import (
     SyntheticConfig,
     SyntheticEngine,
     expected_state,
     pattern_table,
 )
-from workers.validation import validate_dump
+from hsx.validation import validate_dump
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HIDDEN, LAYERS = 32, 8

@@ -12,8 +12,8 @@ import pytest
 
 from hsx import contract
 from tests.fixtures.engine import RunningEngine, captured_rid, unique_prompt
-from workers import validation
-from workers.engine_client import (
+from hsx import validation
+from hsx.engine_client import (
     Dump,
     DumpCorrupt,
     DumpMissing,
@@ -23,7 +23,7 @@ from workers.engine_client import (
     as_float32,
     read_dump,
 )
-from workers.validation import SampleRejected, validate_dump
+from hsx.validation import SampleRejected, validate_dump
 
 HIDDEN = 576
 
@@ -226,4 +226,5 @@ def test_reason_codes_are_stable() -> None:
         "non_finite",
         "dump_missing",
         "engine_rejected",
+        "engine_timeout",
     )

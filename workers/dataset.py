@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
+from hsx.errors import ReasonError
+
 RecordFormat = Literal["auto", "messages", "sharegpt"]
 Layout = Literal["jsonl", "json_array"]
 
@@ -111,13 +113,8 @@ class SampleError:
 RawSample = list[ChatMessage] | SampleError
 
 
-class DatasetError(Exception):
+class DatasetError(ReasonError):
     """The file as a whole is unusable (raised at submit time, or when an index cannot be built)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import numpy as np
 import numpy.typing as npt
 
 from hsx import contract
+from hsx.engine_client import DumpCorrupt, DumpMissing
 from hsx.safetensors_io import SafetensorsError, TensorSpec, read_header
-from workers.engine_client import DumpCorrupt, DumpMissing
 
 
 @dataclass

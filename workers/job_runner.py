@@ -1,9 +1,19 @@
-"""One wake-up of a worker for one job: prepare or start the job if needed, then lease units one after
-another, process each and commit it fenced, until no unit is left to claim.
+"""One wake-up of a worker for one job: check the engine, prepare or start the job if needed, then lease
+units one after another, process each and commit it fenced, until no unit is left to claim.
 
 Every step that records results names the attempt that owns the unit's lease, so a worker that was frozen
 or lost can never commit, and a unit's shard and rejections are recorded exactly once. Each claim that
 leaves more work behind makes sure a wake-up is waiting in the queue, so every idle worker joins in.
+
+How a unit's attempt can end:
+
+* committed, or its lease lost (nothing written; another attempt has the unit);
+* the engine does not answer or is unfit (:mod:`workers.engine_gate`): the unit goes back untouched for
+  healthy workers and this worker takes no more units of the job in this wake-up;
+* a failure no retry heals (the dataset is gone or changed, the disk is full, no usable tokenizer): the
+  unit and the job fail at once, with the reason, while this attempt still holds the lease;
+* any other error: counted on the unit, which goes back to be tried again; at ``HSX_UNIT_MAX_FAILURES``
+  the unit fails and the job with it, saying why (``GET /jobs/{id}``; ``POST /jobs/{id}/retry`` resumes).
 """
 
 from __future__ import annotations
@@ -21,24 +31,29 @@ from typing import Any
 
 from sqlalchemy.exc import OperationalError
 
-from hsx import telemetry
-from hsx.contract import EngineInfo, eagle3_aux_layer_ids
+from hsx import engine_fitness, telemetry
+from hsx.contract import EngineInfo
 from hsx.db.models import Job, JobState
 from hsx.db.session import session_scope
+from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
 from hsx.fsutil import fsync_dir
+from hsx.jobs import engines as job_engines
+from hsx.jobs import recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
 from hsx.jobs.queue import enqueue_wakeups, queued_wakeups
 from hsx.jobs.repository import ClaimedUnit, ShardRow
 from hsx.logging_setup import log_context
+from hsx.retry import DATABASE
 from hsx.settings import Settings
 from workers.dataset import DatasetError
-from workers.engine_client import EngineClient, EngineUnavailable
+from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.faults import crash_point
 from workers.lease import LeaseKeeper
-from workers.records import UnitRange, prepare, read_unit
+from workers.output_size import OutputProjector, free_bytes
+from workers.records import UnitRange, prepare, read_unit_records
 from workers.shards import ShardWriteError, data_sha256
-from workers.unit_processor import UnitAborted, UnitProcessor, UnitResult
+from workers.unit_processor import TRUNCATE, UnitAborted, UnitProcessor, UnitResult
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +77,8 @@ def staged_path(output_dir: str, unit_index: int, attempt: int) -> Path:
 
 
 class TokenizerMissing(Exception):
-    """Chat records arrived and the engine's model path (or HSX_TOKENIZER_PATH) holds no tokenizer."""
+    """Chat records arrived and no usable tokenizer loads (none at the engine's model path or
+    HSX_TOKENIZER_PATH, or one without the chat template the job asks for)."""
 
 
 @dataclass
@@ -98,26 +114,9 @@ class JobView:
         )
 
 
-def _retry_db(fn: Any, attempts: int = 8) -> Any:
+def _retry_db(fn: Any) -> Any:
     """Ride out a database restart: the operation is idempotent or fenced, so retrying is safe."""
-    delay = 0.5
-    for i in range(attempts):
-        try:
-            return fn()
-        except OperationalError as exc:
-            if i == attempts - 1:
-                raise
-            log.warning("database unavailable (%s); retrying in %.1fs", exc.__class__.__name__, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 8.0)
-    raise AssertionError("unreachable")
-
-
-def engine_compatible(job_engine: dict[str, Any], info: EngineInfo) -> str | None:
-    for key in ("num_layers", "hidden_size", "hf_indices", "dtype", "final_state"):
-        if job_engine.get(key, "post" if key == "final_state" else None) != getattr(info, key):
-            return f"engine {key}={getattr(info, key)!r} but the job started with {job_engine.get(key)!r}"
-    return None
+    return DATABASE.call(fn, (OperationalError,), "a database call")
 
 
 def load_tokenizer(path: str) -> Any:
@@ -131,6 +130,8 @@ def load_tokenizer(path: str) -> Any:
 
 class JobRunner:
     def __init__(self, job_id: str, settings: Settings, preflight: bool = True) -> None:
+        """``preflight=False`` skips the checks that keep a prefix-caching engine out (the verification
+        and the cache rule): only tests use it, to show the per-sample checks behind them."""
         self.job_id = job_id
         self.settings = settings
         self.db_url = settings.resolved_database_url
@@ -139,21 +140,120 @@ class JobRunner:
         self.client = EngineClient(
             settings.engine_url, timeout=settings.engine_timeout_seconds, retries=settings.engine_retries
         )
+        self.gate = EngineGate(job_id, settings, settings.engine_url)
+        # The identity this wake-up's preflight passed for (the job's start verifies before preparing).
+        self._verified_identity: str | None = None
 
     # --- job lifecycle -------------------------------------------------------------------------------
-
-    def _fail(self, reason: str) -> None:
-        log.error("job %s failed: %s", self.job_id, reason)
-        with session_scope(self.db_url) as session:
-            repo.set_job_state(session, self.job_id, JobState.failed, repo.ACTIVE_STATES, error=reason)
 
     def _load(self) -> JobView | None:
         with session_scope(self.db_url) as session:
             job = repo.get_job(session, self.job_id)
             return None if job is None else JobView.of(job)
 
+    def _refused(self, refusal: Refusal) -> Outcome:
+        ended = f"; the job failed: {refusal.job_failed}" if refusal.job_failed else ""
+        return Outcome(f"engine {refusal.state}: {refusal.reason}{ended}", False)
+
+    def run_one(self) -> Outcome:
+        """At most one unit (tests step a job with it)."""
+        return self.run(max_units=1)
+
+    def run(self, max_units: int | None = None) -> Outcome:
+        job = self._load()
+        if job is None:
+            return Outcome("no such job", False)
+        if JobState(job.state).is_final:
+            return Outcome(f"job is {job.state}", False)
+        try:
+            info = self.client.info()
+        except EngineUnfit as exc:
+            return self._refused(self.gate.refuse(job_engines.UNFIT, str(exc)))
+        except EngineUnavailable as exc:
+            return self._refused(self.gate.refuse(job_engines.UNAVAILABLE, str(exc)))
+        problem = static_problem(info, job.options, job.engine, cache_rule=self.preflight)
+        if problem:
+            return self._refused(self.gate.refuse(job_engines.UNFIT, problem, info))
+        if job.state == JobState.queued.value:
+            # Verified before the dataset is prepared: an unfit engine leaves the job to another worker.
+            refusal = self._verify(info) if self.preflight else None
+            if refusal is not None:
+                return self._refused(refusal)
+            if job.units_total == 0 and not self._prepare(job, info):
+                return Outcome("job is being prepared by another worker, or failed", False)
+            self._start(info)
+            job = self._load()
+            if job is None or job.records_path is None:
+                return Outcome("job vanished while it was prepared", False)
+        refusal = self._join(job, info)
+        if refusal is not None:
+            return self._refused(refusal)
+        processor = self._processor(info, job.options)
+        try:
+            return self._unit_loop(job, processor, info, max_units)
+        finally:
+            processor.close()
+
+    def _prepare(self, job: JobView, info: EngineInfo) -> bool:
+        """Index the dataset, create the units and project the output's size, once per job; False when
+        this worker did not (another prepares it, or the job failed here)."""
+        with session_scope(self.db_url) as session:
+            if not repo.begin_prepare(
+                session, self.job_id, self.owner, self.settings.lease_seconds, time.time()
+            ):
+                return False
+        per_unit = int(job.options.get("samples_per_shard") or self.settings.samples_per_unit)
+        projector = OutputProjector(
+            info,
+            job.options.get("max_length"),
+            str(job.options.get("truncation", TRUNCATE)),
+            lambda: self._chat_encoder(info, job.options),
+            self.settings.projection_sample_records,
+        )
+        try:
+            with self._prepare_lease():
+                prepared = prepare(job.dataset_path, job.output_dir, per_unit, projector.observe)
+                projection = projector.finish(len(prepared.units))
+        except DatasetError as exc:
+            return self._fail_prepare(f"dataset {exc.reason}: {exc.detail}")
+        except OSError as exc:
+            return self._fail_prepare(
+                f"could not prepare the dataset {job.dataset_path}: {exc.strerror or exc}"
+            )
+        if prepared.samples == 0:
+            return self._fail_prepare("the dataset holds no samples")
+        if self.settings.check_output_space:
+            free = free_bytes(job.output_dir)
+            projection = type(projection)(**{**projection.to_dict(), "free_bytes": free})
+            if projection.bytes > free:
+                kind = "exactly" if projection.exact else "about"
+                return self._fail_prepare(
+                    f"not enough space for the output in {job.output_dir}: the job needs {kind} "
+                    f"{projection.bytes} bytes ({projection.basis}) and {free} are free"
+                )
+        units = [(u.sample_start, u.sample_end, u.byte_start, u.byte_end) for u in prepared.units]
+        with session_scope(self.db_url) as session:
+            done = repo.record_prepared(
+                session, self.job_id, self.owner, prepared.path, prepared.bytes, units, projection.to_dict()
+            )
+        log.info(
+            "job %s prepared: %d samples in %d units, output projected at %d bytes (%s)",
+            self.job_id,
+            prepared.samples,
+            len(units),
+            projection.bytes,
+            projection.basis,
+        )
+        return bool(done)
+
+    def _fail_prepare(self, reason: str) -> bool:
+        log.error("job %s failed: %s", self.job_id, reason)
+        with session_scope(self.db_url) as session:
+            recovery.fail_preparing_job(session, self.job_id, self.owner, reason)
+        return False
+
     @contextmanager
-    def _prepare_lease(self) -> Iterator[threading.Event]:
+    def _prepare_lease(self) -> Iterator[None]:
         """Keeps the prepare lease alive while a large dataset is converted and scanned."""
         stop = threading.Event()
 
@@ -170,65 +270,54 @@ class JobRunner:
         thread = threading.Thread(target=beat, name="prepare-lease", daemon=True)
         thread.start()
         try:
-            yield stop
+            yield
         finally:
             stop.set()
             thread.join(timeout=self.settings.heartbeat_seconds + 5)
 
-    def _prepare(self, job: JobView) -> bool:
-        """Index the dataset and create the units, once per job; False when this worker did not."""
+    def _start(self, info: EngineInfo) -> None:
+        """Move the (verified, prepared) job from queued to running, bound to this engine's identity. A
+        worker that loses this race joins the job like any other, checked against the winner's engine."""
+        record = self._engine_record(info)
         with session_scope(self.db_url) as session:
-            if not repo.begin_prepare(
-                session, self.job_id, self.owner, self.settings.lease_seconds, time.time()
-            ):
-                return False
-        per_unit = int(job.options.get("samples_per_shard") or self.settings.samples_per_unit)
-        try:
-            with self._prepare_lease():
-                prepared = prepare(job.dataset_path, job.output_dir, per_unit)
-        except DatasetError as exc:
-            self._fail(f"dataset {exc.reason}: {exc.detail}")
-            return False
-        except OSError as exc:
-            self._fail(f"could not prepare the dataset {job.dataset_path}: {exc.strerror or exc}")
-            return False
-        if prepared.samples == 0:
-            self._fail("the dataset holds no samples")
-            return False
-        units = [(u.sample_start, u.sample_end, u.byte_start, u.byte_end) for u in prepared.units]
-        with session_scope(self.db_url) as session:
-            done = repo.record_prepared(
-                session, self.job_id, self.owner, prepared.path, prepared.bytes, units
-            )
-        log.info("job %s prepared: %d samples in %d units", self.job_id, prepared.samples, len(units))
-        return bool(done)
-
-    def _start(self, job_options: dict[str, Any], info: EngineInfo) -> bool:
-        """Check the engine and move the job from queued to running; False (job failed) when unsafe."""
-        wanted = job_options.get("aux_layers")
-        if wanted is not None and list(wanted) != list(info.aux_layer_ids):
-            self._fail(f"job asks for aux layers {wanted} but the engine captures {info.aux_layer_ids}")
-            return False
-        if wanted is None and info.aux_layer_ids != eagle3_aux_layer_ids(info.num_layers):
-            log.info("engine captures non-default aux layers %s", info.aux_layer_ids)
+            repo.set_job_state(session, self.job_id, JobState.running, [JobState.queued.value], engine=record)
         if self.preflight:
-            from hsx.verify import run_verification
+            self._verified_identity = engine_fitness.identity_digest(info, self._worker_side(record))
 
-            report = run_verification(self.settings.engine_url, dump_dir=self._dump_dir(info))
-            if not report.ok:
-                failed = [c for c in report.checks if not c.ok]
-                reasons = "; ".join(f"{c.name}: expected {c.expected}, got {c.actual}" for c in failed[:4])
-                self._fail(f"engine failed the preflight check: {reasons}")
-                return False
-        with session_scope(self.db_url) as session:
-            repo.set_job_state(
-                session,
-                self.job_id,
-                JobState.running,
-                [JobState.queued.value],
-                engine=self._engine_record(info),
-            )
-        return True
+    def _join(self, job: JobView, info: EngineInfo) -> Refusal | None:
+        """A running job: this engine (and tokenizer) must be the job's, and verified once for it."""
+        record = self._engine_record(info)
+        worker_side = self._worker_side(record)
+        if job.engine:
+            problems = engine_fitness.identity_problems(job.engine, info, worker_side)
+            if problems:
+                return self.gate.refuse(job_engines.UNFIT, "; ".join(problems), info)
+        identity = engine_fitness.identity_digest(info, worker_side)
+        verified = self._verified_identity == identity or self.gate.verified(identity)
+        if self.preflight and not verified:
+            refusal = self._verify(info)
+            if refusal is not None:
+                return refusal
+            verified = True
+        self.gate.accept(info, identity, verified and self.preflight)
+        return None
+
+    def _verify(self, info: EngineInfo) -> Refusal | None:
+        from hsx.verify import run_verification
+
+        report = run_verification(self.settings.engine_url, dump_dir=self._dump_dir(info))
+        if report.ok:
+            return None
+        failed = [c for c in report.checks if not c.ok]
+        reasons = "; ".join(f"{c.name}: expected {c.expected}, got {c.actual}" for c in failed[:4])
+        return self.gate.refuse(job_engines.UNFIT, f"engine failed the preflight check: {reasons}", info)
+
+    @staticmethod
+    def _worker_side(record: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "tokenizer": record.get("tokenizer"),
+            "chat_template_sha256": record.get("chat_template_sha256"),
+        }
 
     def _engine_record(self, info: EngineInfo) -> dict[str, Any]:
         """What the job is bound to: the engine's model and layers, the tokenizer and its chat template."""
@@ -240,7 +329,7 @@ class JobRunner:
         try:
             tokenizer = self._tokenizer(info)
         except (OSError, ValueError) as exc:
-            # Pre-tokenized data needs none; a chat record then fails the job saying so (_TokenizerMissing).
+            # Pre-tokenized data needs none; a chat record then fails the job saying so (TokenizerMissing).
             record.update(tokenizer={"error": f"no tokenizer at {info.model_path!r}: {exc}"[:500]})
             record.update(chat_template_sha256="")
             return record
@@ -255,41 +344,31 @@ class JobRunner:
     def _dump_dir(self, info: EngineInfo) -> str:
         return self.settings.dump_dir or info.dump_dir
 
-    def run_one(self) -> Outcome:
-        """At most one unit (tests step a job with it)."""
-        return self.run(max_units=1)
+    def _chat_encoder(self, info: EngineInfo, options: dict[str, Any]) -> Any:
+        """The job's encoder, without a length limit (the processor applies the job's truncation)."""
+        from workers.chat import ChatEncoder
 
-    def run(self, max_units: int | None = None) -> Outcome:
-        job = self._load()
-        if job is None:
-            return Outcome("no such job", False)
-        if JobState(job.state).is_final:
-            return Outcome(f"job is {job.state}", False)
+        path = self.settings.tokenizer_path or info.model_path
         try:
-            info = self.client.info()
-        except EngineUnavailable as exc:
-            self._fail(f"engine unavailable: {exc}")
-            return Outcome("engine unavailable", False)
-        if job.state == JobState.queued.value:
-            if job.units_total == 0:
-                if not self._prepare(job):
-                    return Outcome("job is being prepared by another worker, or failed", False)
-                job = self._load()
-                if job is None or job.records_path is None:
-                    return Outcome("job vanished while it was prepared", False)
-            if not self._start(job.options, info):
-                return Outcome("preflight failed", False)
-        elif job.engine is not None and (problem := engine_compatible(job.engine, info)):
-            # A worker colocated with a different engine must not mix its states into this job.
-            log.error("job %s: %s", self.job_id, problem)
-            return Outcome(problem, False)
-        processor = self._processor(info, job.options)
+            tokenizer = self._tokenizer(info)
+        except (OSError, ValueError) as exc:
+            raise TokenizerMissing(
+                f"chat records need a tokenizer, and none loads from {path!r} (set HSX_TOKENIZER_PATH, "
+                f"or send pre-tokenized records): {exc}"
+            ) from exc
         try:
-            return self._unit_loop(job, processor, max_units)
-        finally:
-            processor.close()
+            return ChatEncoder(tokenizer, bool(options.get("chat_template", True)), None)
+        except ValueError as exc:  # a base model's tokenizer has no chat template
+            raise TokenizerMissing(
+                f"the tokenizer at {path!r} cannot encode this job's chat records: {exc} (submit with "
+                "chat_template=false, or pre-tokenized records)"
+            ) from exc
 
-    def _unit_loop(self, job: JobView, processor: UnitProcessor, max_units: int | None) -> Outcome:
+    # --- units ------------------------------------------------------------------------------------------
+
+    def _unit_loop(
+        self, job: JobView, processor: UnitProcessor, info: EngineInfo, max_units: int | None
+    ) -> Outcome:
         done_here = 0
         while max_units is None or done_here < max_units:
             if SHUTDOWN.is_set():
@@ -301,7 +380,7 @@ class JobRunner:
             crash_point("after_claim")
             self._wake_more()
             with log_context(job_id=unit.job_id, unit=unit.unit_index, attempt=unit.attempt):
-                outcome = self._run_unit(unit, job, processor)
+                outcome = self._run_unit(unit, job, processor, info)
             telemetry.flush()  # a looping horse's numbers show up unit by unit, not when it exits
             done_here += 1
             log.info("job %s: %s", self.job_id, outcome.summary)
@@ -329,50 +408,41 @@ class JobRunner:
     def _finalize(self) -> bool:
         return finalize_if_complete(self.db_url, self.job_id)
 
-    # --- one unit ---------------------------------------------------------------------------------------
-
     def _processor(self, info: EngineInfo, options: dict[str, Any]) -> UnitProcessor:
-        def encoder() -> Any:
-            from workers.chat import ChatEncoder
-
-            try:
-                tokenizer = self._tokenizer(info)
-            except (OSError, ValueError) as exc:
-                path = self.settings.tokenizer_path or info.model_path
-                raise TokenizerMissing(
-                    f"chat records need a tokenizer, and none loads from {path!r} (set HSX_TOKENIZER_PATH, "
-                    f"or send pre-tokenized records): {exc}"
-                ) from exc
-            return ChatEncoder(tokenizer, bool(options.get("chat_template", True)), options.get("max_length"))
-
         return UnitProcessor(
             self.client,
             info,
-            encoder,
+            lambda: self._chat_encoder(info, options),
             self._dump_dir(info),
             self.settings.dump_wait_seconds,
             self.settings.engine_concurrency,
             bool(options.get("cache_namespace_per_request", True)),
             self.settings.max_inflight_dump_bytes,
+            options.get("max_length"),
+            str(options.get("truncation", TRUNCATE)),
         )
 
-    def _run_unit(self, unit: ClaimedUnit, job: JobView, processor: UnitProcessor) -> Outcome:
+    def _run_unit(
+        self, unit: ClaimedUnit, job: JobView, processor: UnitProcessor, info: EngineInfo
+    ) -> Outcome:
         if unit.byte_start is None or unit.byte_end is None or job.records_path is None:
-            self._release(unit)
-            self._fail(f"unit {unit.unit_index} has no record range (a job made before schema 0002?)")
-            return Outcome("unit without records", False)
-        keeper = LeaseKeeper(self.db_url, unit, self.settings.lease_seconds, self.settings.heartbeat_seconds)
+            return self._fail_for_good(unit, "the unit has no record range (a job made before schema 0002?)")
+        result = UnitResult()
+        keeper = LeaseKeeper(
+            self.db_url, unit, self.settings.lease_seconds, self.settings.heartbeat_seconds, result.live
+        )
         span = UnitRange(unit.sample_start, unit.sample_end, unit.byte_start, unit.byte_end)
         try:
             with keeper:
-                records = read_unit(
+                records = read_unit_records(
                     job.records_path, job.records_bytes, span, job.options.get("format", "auto")
                 )
-                result = processor.process(
+                processor.process(
                     unit,
-                    records,
+                    (r for r in records if unit.holds(r[0])),
                     staged_path(job.output_dir, unit.unit_index, unit.attempt),
                     lambda: keeper.should_stop,
+                    result,
                 )
                 crash_point("mid_unit")
                 if keeper.should_stop:
@@ -382,32 +452,67 @@ class JobRunner:
             self._release(unit)
             telemetry.unit_finished("released")
             return Outcome(f"unit {unit.unit_index} released: {exc}", False)
-        except EngineUnavailable as exc:
+        except (EngineUnavailable, EngineUnfit) as exc:
+            # This engine's fault, not the unit's: healthy workers take it from here.
             self._release(unit)
-            telemetry.engine_error("unavailable")
-            telemetry.unit_finished("failed")
-            self._fail(f"engine unavailable after {self.settings.engine_retries} retries: {exc}")
-            return Outcome("engine unavailable", False)
+            self._wake_more()
+            telemetry.engine_error("unavailable" if isinstance(exc, EngineUnavailable) else "unfit")
+            telemetry.unit_finished("released")
+            state = job_engines.UNAVAILABLE if isinstance(exc, EngineUnavailable) else job_engines.UNFIT
+            return self._refused(self.gate.refuse(state, str(exc), info))
         except ShardWriteError as exc:
-            self._release(unit)
-            telemetry.unit_finished("failed")
-            self._fail(f"could not write shard for unit {unit.unit_index}: {exc}")
-            return Outcome("shard write failed", False)
+            return self._fail_for_good(unit, f"could not write shard for unit {unit.unit_index}: {exc}")
         except DatasetError as exc:
-            self._release(unit)
-            self._fail(f"dataset {exc.reason}: {exc.detail}")
-            return Outcome("dataset unreadable", False)
+            return self._fail_for_good(unit, f"dataset {exc.reason}: {exc.detail}")
         except TokenizerMissing as exc:
-            self._release(unit)
-            self._fail(str(exc))
-            return Outcome("no tokenizer", False)
+            return self._fail_for_good(unit, str(exc))
+        except Exception as exc:  # noqa: BLE001 - any other cause: counted, and bounded by the setting
+            log.exception("unit %s attempt %s failed", unit.unit_index, unit.attempt)
+            return self._count_failure(unit, f"{type(exc).__name__}: {exc}")
         telemetry.unit_finished("committed" if committed else "lease_lost")
         if not committed:
             return Outcome(f"unit {unit.unit_index} lease lost; nothing committed", True)
         return Outcome(
-            f"unit {unit.unit_index}: {result.samples_done} samples, {len(result.rejections)} rejected",
+            f"unit {unit.unit_index}: {result.samples_done} samples, {len(result.rejections)} rejected, "
+            f"{len(result.truncations)} truncated",
             True,
         )
+
+    def _fail_for_good(self, unit: ClaimedUnit, reason: str) -> Outcome:
+        """The unit and its job fail with ``reason``, only while this attempt still holds the lease."""
+        telemetry.unit_finished("failed")
+
+        def fail() -> bool:
+            with session_scope(self.db_url) as session:
+                return recovery.fail_unit_and_job(session, unit, reason, time.time())
+
+        if _retry_db(fail):
+            log.error("job %s failed: %s", self.job_id, reason)
+            return Outcome(reason, False)
+        log.warning(
+            "unit %s: %s, but the lease was lost meanwhile; not failing the job", unit.unit_index, reason
+        )
+        return Outcome(f"unit {unit.unit_index} lease lost", True)
+
+    def _count_failure(self, unit: ClaimedUnit, reason: str) -> Outcome:
+        telemetry.unit_finished("failed")
+        limit = max(1, self.settings.unit_max_failures)
+
+        def count() -> recovery.FailureCount:
+            with session_scope(self.db_url) as session:
+                return recovery.count_unit_failure(session, unit, reason, limit)
+
+        counted = _retry_db(count)
+        if counted.unit_failed:
+            log.error(
+                "job %s failed: unit %s failed %d times: %s",
+                self.job_id,
+                unit.unit_index,
+                counted.failures,
+                reason,
+            )
+            return Outcome(f"unit {unit.unit_index} failed for good: {reason}", False)
+        return Outcome(f"unit {unit.unit_index} failed ({counted.failures}/{limit}): {reason}", True)
 
     def _release(self, unit: ClaimedUnit) -> None:
         try:
@@ -451,6 +556,7 @@ class JobRunner:
                         result.samples_done,
                         result.tokens,
                         publish,
+                        result.truncations,
                     )
             except OperationalError:
                 # The commit may have landed before the connection dropped: ask before retrying.

@@ -14,6 +14,7 @@ from pathlib import Path
 from hsx.contract import RID_PREFIX
 from hsx.db.models import JobState
 from hsx.db.session import session_scope
+from hsx.jobs import recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
 from hsx.jobs.queue import enqueue_wakeups, queued_wakeups
@@ -30,10 +31,18 @@ STALE_TEMP_SECONDS = 60.0
 FORK_LOCK = threading.Lock()
 
 
-def expire_leases_of(db_url: str, owner: str) -> int:
-    """A work horse died: its leases end now instead of at their expiry."""
+def expire_leases_of(db_url: str, owner: str, reason: str = "", max_failures: int = 0) -> int:
+    """A work horse died: its leases end now instead of at their expiry. With ``max_failures``, each of its
+    units counts a failure (``reason``), so a unit that kills every horse that takes it ends, failing its
+    job, instead of being retried for ever."""
     with session_scope(db_url) as session:
-        return repo.expire_leases_owned_by(session, owner)
+        if not max_failures:
+            return repo.expire_leases_owned_by(session, owner)
+        ended = recovery.count_dead_owner_failures(session, owner, reason, max_failures)
+    for job_id, unit_index, failed in ended:
+        if failed:
+            log.error("job %s failed: unit %s killed %d work horses", job_id, unit_index, max_failures)
+    return len(ended)
 
 
 def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, int]:

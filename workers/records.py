@@ -7,14 +7,16 @@ begin and end. A unit then reads exactly its own bytes: the cost of a unit does 
 dataset, and no index is loaded per unit.
 
 Sample numbering is that of :mod:`workers.dataset`: sample ``i`` is the ``i``-th non-blank line. A record
-may also be pre-tokenized (``{"input_ids": [...], "loss_mask": [...]}``): it skips the chat template.
+may also be pre-tokenized (``{"input_ids": [...], "loss_mask": [...]}``): it skips the chat template. A
+record's own ``id`` (or ``conversation_id``) is read with it, so a rejection can name it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,16 +94,24 @@ def local_records(dataset_path: str, work_dir: Path) -> str:
     return str(target)
 
 
-def plan_units(records_path: str, samples_per_unit: int) -> PreparedRecords:
+# Called with every record's line during the planning pass (the output's size is projected from them).
+LineObserver = Callable[[bytes], None]
+
+
+def plan_units(
+    records_path: str, samples_per_unit: int, observe: LineObserver | None = None
+) -> PreparedRecords:
     """One pass over the file: sample count and each unit's byte range."""
     if samples_per_unit < 1:
         raise ValueError("samples_per_unit must be positive")
     size = os.stat(records_path).st_size
     starts: list[int] = []
     samples = 0
-    for offset, _line in _iter_nonblank_lines(records_path):
+    for offset, line in _iter_nonblank_lines(records_path):
         if samples % samples_per_unit == 0:
             starts.append(offset)
+        if observe is not None:
+            observe(line)
         samples += 1
     units = [
         UnitRange(
@@ -115,18 +125,51 @@ def plan_units(records_path: str, samples_per_unit: int) -> PreparedRecords:
     return PreparedRecords(path=records_path, bytes=size, samples=samples, units=units)
 
 
-def prepare(dataset_path: str, output_dir: str, samples_per_unit: int) -> PreparedRecords:
-    return plan_units(local_records(dataset_path, prepared_dir(output_dir)), samples_per_unit)
+def prepare(
+    dataset_path: str, output_dir: str, samples_per_unit: int, observe: LineObserver | None = None
+) -> PreparedRecords:
+    return plan_units(local_records(dataset_path, prepared_dir(output_dir)), samples_per_unit, observe)
 
 
 def parse_record(line: bytes, record_format: RecordFormat = "auto") -> Record:
+    return parse_record_with_id(line, record_format)[0]
+
+
+RECORD_ID_KEYS = ("id", "conversation_id")
+RECORD_ID_MAX_CHARS = 200
+# A record that is not valid JSON may still show its id near the start; read it as a hint.
+_ID_IN_TEXT = re.compile(rb'"(?:id|conversation_id)"\s*:\s*(?:"([^"\\]{1,200})"|(-?\d{1,30})\b)')
+
+
+def parse_record_with_id(line: bytes, record_format: RecordFormat = "auto") -> tuple[Record, str | None]:
+    """The record and its own ``id`` (or ``conversation_id``), when it has a string or integer one."""
     try:
         record = json.loads(line)
     except (ValueError, RecursionError) as exc:
-        return SampleError(MALFORMED_JSON, str(exc)[:200])
+        return SampleError(MALFORMED_JSON, str(exc)[:200]), _id_from_text(line)
+    record_id = record_id_of(record)
     if isinstance(record, dict) and "input_ids" in record and record_format == "auto":
-        return pretokenized(record)
-    return normalize_record(record, record_format)
+        return pretokenized(record), record_id
+    return normalize_record(record, record_format), record_id
+
+
+def record_id_of(record: Any) -> str | None:
+    if not isinstance(record, dict):
+        return None
+    for key in RECORD_ID_KEYS:
+        value = record.get(key)
+        if isinstance(value, str) and value:
+            return value[:RECORD_ID_MAX_CHARS]
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+    return None
+
+
+def _id_from_text(line: bytes) -> str | None:
+    match = _ID_IN_TEXT.search(line[:4096])
+    if match is None:
+        return None
+    return (match.group(1) or match.group(2)).decode("utf-8", "replace")
 
 
 def pretokenized(record: dict[str, Any]) -> Pretokenized | SampleError:
@@ -151,6 +194,17 @@ def read_unit(
     record_format: RecordFormat = "auto",
 ) -> Iterator[tuple[int, Record]]:
     """Yield ``(index, record)`` for every sample of the unit, reading only the unit's bytes."""
+    for index, record, _record_id in read_unit_records(records_path, expected_bytes, unit, record_format):
+        yield index, record
+
+
+def read_unit_records(
+    records_path: str,
+    expected_bytes: int | None,
+    unit: UnitRange,
+    record_format: RecordFormat = "auto",
+) -> Iterator[tuple[int, Record, str | None]]:
+    """Yield ``(index, record, record_id)`` for every sample of the unit, reading only the unit's bytes."""
     try:
         with open(records_path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
@@ -173,7 +227,7 @@ def read_unit(
             raise DatasetError(
                 DATASET_CHANGED, f"unit bytes hold more than {unit.sample_end - unit.sample_start} records"
             )
-        yield index, parse_record(line, record_format)
+        yield (index, *parse_record_with_id(line, record_format))
         index += 1
     if index != unit.sample_end:
         raise DatasetError(

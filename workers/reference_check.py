@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from hsx.engine_client import Dump, EngineClient, EngineError
 from hsx.verify import Check, run_verification
-from workers.engine_client import Dump, EngineClient, EngineError
 
 # Per-token cosine a dump must reach against the float32 reference: float32 engines differ only by
 # rounding; bf16 loses about three digits over a deep stack (0.9994 measured on SmolLM2's final state).

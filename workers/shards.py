@@ -26,8 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 from hsx.safetensors_io import TensorSpec, encode_header
+from hsx.validation import LAYERS_MISMATCH, NON_FINITE, TOKEN_COUNT, SampleRejected
 from workers.faults import crash_point
-from workers.validation import LAYERS_MISMATCH, NON_FINITE, TOKEN_COUNT, SampleRejected
 
 # Accepted spellings of the state dtype, mapped to the safetensors name the shard uses.
 STATE_DTYPES = {

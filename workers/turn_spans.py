@@ -46,6 +46,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hsx.errors import ReasonError
+
 # Per-sample rejection reasons (stored with the rejected sample, next to the dataset's reasons).
 TEMPLATE_FAILED = "template_failed"
 TEMPLATE_NOT_SEPARABLE = "template_not_separable"
@@ -61,13 +63,8 @@ _SENTINEL_CANDIDATES = "".join(chr(code) for code in range(0xE000, 0xE100))
 _BLOCK = 512
 
 
-class EncodeError(Exception):
+class EncodeError(ReasonError):
     """One sample cannot be encoded; ``reason`` is a stable code, ``detail`` says what was seen."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,14 @@ prefills may run is bounded by a count and by the bytes of dumps waiting in shar
 worker's memory nor the dump directory grows with the unit.
 
 A capture that fails a check is retried once under a fresh rid, then rejected with its reason; it never
-enters a shard. Engine outages are not a sample's fault: they propagate and the job runner decides.
+enters a shard. Engine outages are not a sample's fault: they propagate and the job runner decides, and so
+does an engine that breaks the protocol (:class:`EngineUnfit`: a reply without ``cached_tokens``, dumps in
+another dtype than it reported). A prefill that times out while the engine still answers is sent once
+more, then rejected as ``engine_timeout`` (a retriable reason).
+
+A sample longer than the job's ``max_length`` is cut (``truncation: "truncate"``, recorded per sample) or
+rejected as ``too_long`` (``"reject"``); one whose assistant tokens all lie past the cut is ``too_long``
+too, never ``no_assistant_tokens``.
 """
 
 from __future__ import annotations
@@ -26,13 +33,21 @@ import numpy as np
 
 from hsx import telemetry
 from hsx.contract import PRE_NORM_TENSOR, RID_PREFIX, EngineInfo, tensor_name
-from hsx.jobs.repository import ClaimedUnit, RejectionRow
+from hsx.engine_client import (
+    DumpMissing,
+    EngineClient,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnavailable,
+    EngineUnfit,
+    delete_dump,
+)
+from hsx.jobs.repository import ClaimedUnit, LiveCounts, RejectionRow, TruncationRow
 from hsx.safetensors_io import DTYPE_SIZES
+from hsx.validation import ENGINE_TIMEOUT, TOO_LONG, SampleRejected, check_dump
 from workers.dump_file import DumpFile, open_dump
-from workers.engine_client import DumpMissing, EngineClient, EngineRejected, delete_dump
 from workers.records import Pretokenized, Record
 from workers.shards import ShardInfo, ShardStream, canonical_state_dtype
-from workers.validation import SampleRejected, check_dump
 
 if TYPE_CHECKING:
     from workers.chat import ChatEncoder
@@ -46,13 +61,24 @@ class UnitAborted(Exception):
     """The lease was lost, the job was stopped or the worker is shutting down: drop the unit's work."""
 
 
+# A job's choice for samples longer than max_length (JobOptions.truncation).
+TRUNCATE = "truncate"
+REJECT = "reject"
+
+
 @dataclass
 class UnitResult:
+    """A unit's results, filled in as it goes (the lease's heartbeat reads :meth:`live` meanwhile)."""
+
     shard: ShardInfo | None = None
     rejections: list[RejectionRow] = field(default_factory=list)
+    truncations: list[TruncationRow] = field(default_factory=list)
     samples_done: int = 0
     tokens: int = 0
     state_bytes: int = 0
+
+    def live(self) -> LiveCounts:
+        return LiveCounts(self.samples_done, len(self.rejections), self.tokens)
 
 
 @dataclass
@@ -62,6 +88,15 @@ class _Pending:
     loss_mask: list[int]
     future: Future[_Sent | RejectionRow]
     dump_bytes: int
+    record_id: str | None = None
+    truncation: TruncationRow | None = None
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncation: TruncationRow | None
 
 
 @dataclass(frozen=True)
@@ -93,6 +128,8 @@ class UnitProcessor:
         concurrency: int,
         namespace_cache_per_request: bool,
         max_inflight_dump_bytes: int = 4 << 30,
+        max_length: int | None = None,
+        truncation: str = TRUNCATE,
     ) -> None:
         self.client = client
         self.info = info
@@ -103,6 +140,10 @@ class UnitProcessor:
         self.concurrency = max(1, concurrency)
         self.namespace_cache_per_request = namespace_cache_per_request
         self.max_inflight_dump_bytes = max_inflight_dump_bytes
+        if truncation not in (TRUNCATE, REJECT):
+            raise ValueError(f"truncation must be {TRUNCATE!r} or {REJECT!r}, not {truncation!r}")
+        self.max_length = max_length
+        self.truncation = truncation
         self.dtype = canonical_state_dtype(info.dtype)
         self.tensors = dump_tensors(info)
         self.bytes_per_token = info.hidden_size * DTYPE_SIZES[self.dtype] * len(self.tensors)
@@ -114,23 +155,25 @@ class UnitProcessor:
     def process(
         self,
         unit: ClaimedUnit,
-        records: Iterable[tuple[int, Record]],
+        records: Iterable[tuple[int, Record, str | None]],
         staged_path: Path,
         should_stop: Callable[[], bool],
+        result: UnitResult | None = None,
     ) -> UnitResult:
-        result = UnitResult()
+        """Encode, prefill, check and stream every ``(index, record, record_id)`` into one shard."""
+        result = UnitResult() if result is None else result
         window: collections.deque[_Pending] = collections.deque()
         stream: ShardStream | None = None
         inflight = 0
         try:
-            for index, raw in records:
+            for index, raw, record_id in records:
                 if should_stop():
                     raise UnitAborted("lease lost or job stopped")
-                encoded = self._encode(index, raw)
+                encoded = self._encode(index, raw, record_id)
                 if isinstance(encoded, RejectionRow):
                     result.rejections.append(encoded)
                     continue
-                ids, mask = encoded
+                ids = encoded.input_ids
                 size = len(ids) * self.bytes_per_token
                 # Bounded look-ahead: each finished capture waits in shared memory until it is streamed.
                 while window and (
@@ -139,8 +182,10 @@ class UnitProcessor:
                     pending = window.popleft()
                     inflight -= pending.dump_bytes
                     stream = self._collect(pending, result, stream, unit, staged_path)
-                future = self.pool.submit(self._prefill, unit, index, ids)
-                window.append(_Pending(index, ids, mask, future, size))
+                future = self.pool.submit(self._prefill, unit, index, ids, record_id)
+                window.append(
+                    _Pending(index, ids, encoded.loss_mask, future, size, record_id, encoded.truncation)
+                )
                 inflight += size
             while window:
                 if should_stop():
@@ -162,23 +207,39 @@ class UnitProcessor:
         result.rejections.sort(key=lambda r: r.sample_index)
         return result
 
-    def _encode(self, index: int, raw: Record) -> tuple[list[int], list[int]] | RejectionRow:
+    def _encode(self, index: int, raw: Record, record_id: str | None) -> _Encoded | RejectionRow:
         from workers.chat import EncodeError
         from workers.dataset import SampleError
 
         if isinstance(raw, SampleError):
-            return RejectionRow(index, raw.reason, raw.detail)
+            return RejectionRow(index, raw.reason, raw.detail, record_id)
         if isinstance(raw, Pretokenized):
-            return raw.input_ids, raw.loss_mask
-        if self._encoder is None:
-            self._encoder = self._encoder_factory()
-        try:
-            sample = self._encoder.encode(raw)
-        except EncodeError as exc:
-            return RejectionRow(index, exc.reason, exc.detail)
-        if sample.truncated:
-            telemetry.samples_truncated(1)
-        return sample.input_ids, sample.loss_mask
+            ids, mask = raw.input_ids, raw.loss_mask
+        else:
+            if self._encoder is None:
+                self._encoder = self._encoder_factory()
+            try:
+                sample = self._encoder.encode(raw)
+            except EncodeError as exc:
+                return RejectionRow(index, exc.reason, exc.detail, record_id)
+            ids, mask = sample.input_ids, sample.loss_mask
+        return self._fit_length(index, ids, mask, record_id)
+
+    def _fit_length(
+        self, index: int, ids: list[int], mask: list[int], record_id: str | None
+    ) -> _Encoded | RejectionRow:
+        """The job's truncation policy, applied to chat and pre-tokenized records alike."""
+        limit = self.max_length
+        if limit is None or len(ids) <= limit:
+            return _Encoded(ids, mask, None)
+        if self.truncation == REJECT:
+            detail = f"{len(ids)} tokens, max_length is {limit} (truncation: reject)"
+            return RejectionRow(index, TOO_LONG, detail, record_id)
+        if not any(mask[:limit]):
+            detail = f"{len(ids)} tokens and no assistant token within the first {limit} (max_length)"
+            return RejectionRow(index, TOO_LONG, detail, record_id)
+        telemetry.samples_truncated(1)
+        return _Encoded(ids[:limit], mask[:limit], TruncationRow(index, len(ids), limit, record_id))
 
     def _collect(
         self,
@@ -212,7 +273,7 @@ class UnitProcessor:
                 check_every_chunk=not counted,
             )
         except SampleRejected as exc:
-            result.rejections.append(RejectionRow(pending.index, exc.reason, exc.detail))
+            result.rejections.append(RejectionRow(pending.index, exc.reason, exc.detail, pending.record_id))
             return stream
         except BaseException:
             if stream is not None:  # made here, so the caller does not know it yet
@@ -220,16 +281,20 @@ class UnitProcessor:
             raise
         finally:
             self._drop(outcome)
-        result.samples_done += 1
+        if pending.truncation is not None:
+            result.truncations.append(pending.truncation)
         result.tokens += len(pending.input_ids)
         result.state_bytes += copied
+        result.samples_done += 1
         return stream
 
     def _drop(self, dump: DumpFile) -> None:
         dump.close()
         delete_dump(self.dump_dir, dump.meta.rid)
 
-    def _prefill(self, unit: ClaimedUnit, index: int, ids: list[int]) -> _Sent | RejectionRow:
+    def _prefill(
+        self, unit: ClaimedUnit, index: int, ids: list[int], record_id: str | None = None
+    ) -> _Sent | RejectionRow:
         """On a prefill thread: send the prompt and return as soon as the engine answers. Waiting for the
         dump happens in order on the collecting thread, so these threads keep the engine busy."""
         rid = (
@@ -241,11 +306,16 @@ class UnitProcessor:
             response = self.client.prefill(ids, rid, extra_key=extra_key)
         except EngineRejected as exc:
             telemetry.engine_error("rejected")
-            return RejectionRow(index, "engine_rejected", str(exc))
+            return RejectionRow(index, "engine_rejected", str(exc), record_id)
+        except EngineTimeout as exc:
+            telemetry.engine_error("timeout")
+            if not self.client.alive():
+                raise EngineUnavailable(f"{exc}; the engine no longer answers") from exc
+            # The engine answers, so this prompt is what it is stuck on: this sample's problem.
+            return RejectionRow(index, ENGINE_TIMEOUT, str(exc), record_id)
         finally:
             telemetry.engine_request(time.monotonic() - started)
-        meta_info = response.get("meta_info", {})
-        return _Sent(rid, int(meta_info.get("cached_tokens", 0) or 0))
+        return _Sent(rid, reported_cached_tokens(response))
 
     def _dump_of(
         self, unit: ClaimedUnit, pending: _Pending, sent: _Sent | RejectionRow
@@ -255,16 +325,20 @@ class UnitProcessor:
         last = SampleRejected("dump_missing", "no attempt made")
         for attempt in range(SAMPLE_ATTEMPTS):
             if attempt:
-                sent = self._prefill(unit, pending.index, pending.input_ids)
+                sent = self._prefill(unit, pending.index, pending.input_ids, pending.record_id)
             if isinstance(sent, RejectionRow):
-                return sent
+                if sent.reason != ENGINE_TIMEOUT:
+                    return sent
+                last = SampleRejected(sent.reason, sent.detail)
+                telemetry.sample_retried(last.reason)
+                continue
             opened = self._open_checked(pending, sent)
             if isinstance(opened, DumpFile):
                 return opened
             last = opened
             telemetry.sample_retried(last.reason)
             log.info("sample %s: %s (%s)", pending.index, last.reason, last.detail)
-        return RejectionRow(pending.index, last.reason, last.detail)
+        return RejectionRow(pending.index, last.reason, last.detail, pending.record_id)
 
     def _open_checked(self, pending: _Pending, sent: _Sent) -> DumpFile | SampleRejected:
         dump: DumpFile | None = None
@@ -272,7 +346,8 @@ class UnitProcessor:
         try:
             dump = open_dump(self.dump_dir, sent.rid, self.dump_wait_seconds)
             telemetry.dump_wait(time.monotonic() - started)
-            shapes = {name: spec.shape for name, spec in dump.state_specs().items()}
+            specs = dump.state_specs()
+            shapes = {name: spec.shape for name, spec in specs.items()}
             check_dump(
                 dump.meta,
                 dump.input_ids(),
@@ -282,6 +357,14 @@ class UnitProcessor:
                 self.tensors,
                 self.info.hidden_size,
             )
+            other = sorted(
+                {spec.dtype for name, spec in specs.items() if name in self.tensors} - {self.dtype}
+            )
+            if other:
+                # Every dump of this engine will be so: its states are not what it says they are.
+                raise EngineUnfit(
+                    f"the engine reports dtype {self.info.dtype} ({self.dtype}) but dumps {', '.join(other)}"
+                )
             return dump
         except DumpMissing as exc:
             problem = SampleRejected("dump_missing", str(exc))
@@ -296,3 +379,16 @@ class UnitProcessor:
             dump.close()
         delete_dump(self.dump_dir, sent.rid)
         return problem
+
+
+def reported_cached_tokens(response: dict[str, object]) -> int:
+    """``meta_info.cached_tokens`` of a ``/generate`` reply. Its absence is the engine's fault, never 0:
+    without it, a prefix-cache hit could not be told from a full prefill."""
+    meta_info = response.get("meta_info")
+    value = meta_info.get("cached_tokens") if isinstance(meta_info, dict) else None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise EngineUnfit(
+            f"the engine's /generate reply has no usable meta_info.cached_tokens ({value!r}): "
+            "a reused cached prefix could not be detected"
+        )
+    return value

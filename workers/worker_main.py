@@ -50,9 +50,15 @@ class HsxWorker(Worker):
 
     def handle_work_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         super().handle_work_horse_killed(job, retpid, ret_val, rusage)  # type: ignore[no-untyped-call]
-        owner = lease_owner(retpid, get_settings().engine_url)
+        settings = get_settings()
+        owner = lease_owner(retpid, settings.engine_url)
         try:
-            n = expire_leases_of(get_settings().resolved_database_url, owner)
+            n = expire_leases_of(
+                settings.resolved_database_url,
+                owner,
+                f"the work horse holding it died (wait status {ret_val})",
+                max(1, settings.unit_max_failures),
+            )
             log.warning("work horse %s died (status %s); released %d lease(s)", retpid, ret_val, n)
         except Exception as exc:  # noqa: BLE001 - the leases still expire on their own
             log.warning("could not release leases of dead horse %s: %s", retpid, exc)

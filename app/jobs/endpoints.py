@@ -108,9 +108,39 @@ def get_rejections(
     JobService(session, settings).get(job_id)
     rows, total = repo.list_rejections(session, job_id, limit, offset)
     items = [
-        schemas.RejectionOut(sample_index=r.sample_index, reason=r.reason, detail=r.detail) for r in rows
+        schemas.RejectionOut(
+            sample_index=r.sample_index, record_id=r.record_id, reason=r.reason, detail=r.detail
+        )
+        for r in rows
     ]
     return schemas.RejectionPage(items=items, total=total, limit=limit, offset=offset)
+
+
+@router.get("/{job_id}/truncations", response_model=schemas.TruncationPage, responses=ERRORS)
+def get_truncations(
+    job_id: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
+) -> schemas.TruncationPage:
+    JobService(session, settings).get(job_id)
+    rows, total = repo.list_truncations(session, job_id, limit, offset)
+    items = [
+        schemas.TruncationOut(
+            sample_index=t.sample_index, record_id=t.record_id, tokens=t.tokens, kept=t.kept
+        )
+        for t in rows
+    ]
+    return schemas.TruncationPage(items=items, total=total, limit=limit, offset=offset)
+
+
+@router.post("/{job_id}/retry", response_model=schemas.JobOut, responses=ERRORS)
+def retry_job(job_id: str, session: SessionDep, settings: SettingsDep) -> schemas.JobOut:
+    """Run a failed, cancelled or finished job again: its failed units, and its samples rejected for an
+    engine-side reason (cached_tokens, dump_missing, engine_timeout, ...). Published samples stay."""
+    service = JobService(session, settings)
+    return service.document(service.retry(job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=schemas.JobOut, responses=ERRORS)

@@ -25,7 +25,17 @@ class JobOptions(BaseModel):
 
     format: Literal["auto", "messages", "sharegpt"] = "auto"
     chat_template: bool = True
-    max_length: int = Field(4096, ge=8, le=131072, description="Samples are truncated to this many tokens.")
+    max_length: int = Field(
+        4096,
+        ge=8,
+        le=131072,
+        description="The most tokens a sample may have; at most the engine's context length (422 otherwise).",
+    )
+    truncation: Literal["truncate", "reject"] = Field(
+        "truncate",
+        description="A longer sample is cut to max_length and kept (counted, and listed at /truncations), "
+        "or rejected as too_long. Either way one whose assistant turns all lie past the cut is too_long.",
+    )
     aux_layers: list[int] | None = Field(
         None,
         min_length=1,
@@ -54,16 +64,26 @@ class JobCreate(BaseModel):
     idempotency_key: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:\-]+$")
 
 
-class Progress(BaseModel):
-    samples_total: int
+class InFlight(BaseModel):
+    """Handled by units still at work: counted in progress, committed (and exact) once the unit commits."""
+
     samples_done: int
     samples_rejected: int
+    tokens: int
+
+
+class Progress(BaseModel):
+    samples_total: int
+    samples_done: int = Field(description="Committed, plus what units at work have handled so far.")
+    samples_rejected: int
+    samples_truncated: int = Field(0, description="Kept samples cut to max_length (committed).")
     tokens: int
     tokens_per_second: float | None
     eta_seconds: float | None
     units_total: int
     units_done: int
     fraction: float
+    in_flight: InFlight | None = Field(None, description="The part of the counts not committed yet.")
 
 
 class ShardOut(BaseModel):
@@ -82,8 +102,30 @@ class ShardsPreview(BaseModel):
 
 class RejectionOut(BaseModel):
     sample_index: int
+    record_id: str | None = Field(None, description='The record\'s own "id" or "conversation_id".')
     reason: str
     detail: str
+
+
+class TruncationOut(BaseModel):
+    sample_index: int
+    record_id: str | None
+    tokens: int = Field(description="Tokens before the cut.")
+    kept: int
+
+
+class FailedUnitOut(BaseModel):
+    unit_index: int
+    failures: int
+    error: str | None
+
+
+class OutputOut(BaseModel):
+    projected_bytes: int | None = Field(description="What the shards will take, projected at prepare.")
+    projection_exact: bool | None = Field(description="False: an estimate from a sample of records.")
+    projection_basis: str | None
+    free_bytes_at_prepare: int | None
+    bytes_written: int = Field(description="Bytes of the shards committed so far.")
 
 
 class JobOut(BaseModel):
@@ -96,6 +138,14 @@ class JobOut(BaseModel):
     output_dir: str
     manifest: str | None
     engine: dict[str, object] | None
+    engines: list[dict[str, object]] = Field(
+        default_factory=list,
+        description="Every engine a worker brought to the job: ok, or why it was unfit or unavailable.",
+    )
+    output: OutputOut | None = None
+    units_failed: list[FailedUnitOut] = Field(
+        default_factory=list, description="Units that failed for good, with their last error."
+    )
     shards: ShardsPreview
     rejections: dict[str, int] = Field(description="Rejected samples counted by reason.")
     created_at: UtcDatetime
@@ -128,6 +178,13 @@ class ShardPage(BaseModel):
 
 class RejectionPage(BaseModel):
     items: list[RejectionOut]
+    total: int
+    limit: int
+    offset: int
+
+
+class TruncationPage(BaseModel):
+    items: list[TruncationOut]
     total: int
     limit: int
     offset: int

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,18 +16,27 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.jobs import schemas
+from hsx import engine_fitness
 from hsx.dataset_uri import resolve_dataset_uri
 from hsx.db.models import Job, JobState
-from hsx.errors import BadRequest, Conflict, NotFound
+from hsx.engine_client import EngineClient, EngineError
+from hsx.errors import BadRequest, Conflict, NotFound, Unprocessable
+from hsx.jobs import recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import MANIFEST_NAME
 from hsx.jobs.queue import enqueue_wakeups
 from hsx.settings import Settings
+from hsx.validation import RETRIABLE_REASONS
 from workers.dataset import DatasetError
 from workers.records import inspect_head
 
+log = logging.getLogger(__name__)
+
 # GET /jobs/{id} shows this many shards; GET /jobs/{id}/shards pages through all of them.
 SHARDS_IN_DOCUMENT = 10
+# A submission asks the engine for its context length and layers this long, then leaves it to the workers.
+ENGINE_CHECK_SECONDS = 5.0
+RETRIABLE_STATES = (JobState.failed.value, JobState.cancelled.value, JobState.succeeded.value)
 
 
 def request_hash(body: schemas.JobCreate) -> str:
@@ -58,6 +69,7 @@ class JobService:
             inspect_head(str(dataset.path), self.settings.max_dataset_bytes)
         except DatasetError as exc:
             raise BadRequest(exc.detail, error=f"dataset_{exc.reason}") from exc
+        self._check_engine(body.options)
         job_id = str(uuid.uuid4())
         job = Job(
             id=job_id,
@@ -85,6 +97,19 @@ class JobService:
         # One wake-up: the worker that prepares the job wakes more as it claims units (workers.job_runner).
         enqueue_wakeups(self.settings, job.id, 1)
         return job, True
+
+    def _check_engine(self, options: schemas.JobOptions) -> None:
+        """Refuse options the engine cannot honour (a max_length past its context, other aux layers). An
+        engine that does not answer now is no reason to refuse: every worker checks its own engine."""
+        try:
+            with EngineClient(self.settings.engine_url, timeout=ENGINE_CHECK_SECONDS, retries=0) as client:
+                info = client.info()
+        except EngineError:
+            return
+        problems = engine_fitness.option_problems(info, options.model_dump(mode="json"), check_cache=False)
+        for problem in problems:
+            code = "max_length_exceeds_context" if problem.startswith("max_length") else "aux_layers_mismatch"
+            raise Unprocessable(f"{problem} ({self.settings.engine_url})", error=code)
 
     @staticmethod
     def _same_request(job: Job, digest: str) -> Job:
@@ -115,29 +140,83 @@ class JobService:
             raise Conflict(f"job is already {job.state}", error="job_finished")
         return job
 
+    def retry(self, job_id: str) -> Job:
+        """Run a finished job again: failed units from where they stopped, retriable rejections (engine-side
+        reasons) as retry units of their own, a job that failed before its units existed from the start.
+        Published samples are never run again. 409 while it is active or when nothing is left to retry."""
+        job = self.get(job_id)
+        if job.state not in RETRIABLE_STATES:
+            raise Conflict(f"job is {job.state}; only a finished job can be retried", error="job_active")
+        prepared = job.units_total > 0
+        if not recovery.reopen_job(self.session, job_id, RETRIABLE_STATES, prepared):
+            self.session.rollback()
+            raise Conflict("the job changed state meanwhile; try again", error="job_active")
+        reopened = recovery.reopen_failed_units(self.session, job_id)
+        added = recovery.add_retry_units(
+            self.session, job_id, recovery.retriable_rejections(self.session, job_id, RETRIABLE_REASONS)
+        )
+        if prepared and not recovery.open_unit_count(self.session, job_id):
+            self.session.rollback()
+            raise Conflict(
+                f"job {job_id} has no failed unit and no retriable rejection "
+                f"({', '.join(sorted(RETRIABLE_REASONS))})",
+                error="nothing_to_retry",
+            )
+        job.engines = None  # this run's engines are met afresh
+        self.session.commit()
+        enqueue_wakeups(self.settings, job_id, 1)  # after the commit, so the woken worker sees the units
+        log.info("job %s retried: %d failed unit(s) reopened, %d retry unit(s)", job_id, reopened, added)
+        self.session.refresh(job)
+        return job
+
     # --- presentation -----------------------------------------------------------------------------------
 
     def progress(self, job: Job) -> schemas.Progress:
-        handled = job.samples_done + job.samples_rejected
+        live = (
+            repo.live_counts(self.session, job.id, time.time())
+            if job.state == JobState.running.value
+            else repo.LiveCounts(0, 0, 0)
+        )
+        done = job.samples_done + live.samples_done
+        rejected = job.samples_rejected + live.samples_rejected
+        tokens = job.tokens_done + live.tokens
+        handled = done + rejected
         rate = eta = None
         if job.started_at is not None:
             end = job.finished_at or datetime.now(timezone.utc)
             started = job.started_at if job.started_at.tzinfo else job.started_at.replace(tzinfo=timezone.utc)
             end = end if end.tzinfo else end.replace(tzinfo=timezone.utc)
             elapsed = max((end - started).total_seconds(), 1e-6)
-            rate = job.tokens_done / elapsed
+            rate = tokens / elapsed
             if job.state == JobState.running.value and handled:
-                eta = (job.samples_total - handled) * elapsed / handled
+                eta = max(job.samples_total - handled, 0) * elapsed / handled
+        in_flight = live.samples_done + live.samples_rejected + live.tokens
         return schemas.Progress(
             samples_total=job.samples_total,
-            samples_done=job.samples_done,
-            samples_rejected=job.samples_rejected,
-            tokens=job.tokens_done,
+            samples_done=done,
+            samples_rejected=rejected,
+            samples_truncated=job.samples_truncated,
+            tokens=tokens,
             tokens_per_second=None if rate is None else round(rate, 1),
             eta_seconds=None if eta is None or math.isnan(eta) else round(eta, 1),
             units_total=job.units_total,
             units_done=job.units_done,
-            fraction=round(handled / job.samples_total, 4) if job.samples_total else 0.0,
+            fraction=round(min(handled / job.samples_total, 1.0), 4) if job.samples_total else 0.0,
+            in_flight=schemas.InFlight(
+                samples_done=live.samples_done, samples_rejected=live.samples_rejected, tokens=live.tokens
+            )
+            if in_flight
+            else None,
+        )
+
+    def output(self, job: Job) -> schemas.OutputOut:
+        projection = job.projection or {}
+        return schemas.OutputOut(
+            projected_bytes=projection.get("bytes"),
+            projection_exact=projection.get("exact"),
+            projection_basis=projection.get("basis"),
+            free_bytes_at_prepare=projection.get("free_bytes"),
+            bytes_written=job.bytes_written,
         )
 
     def shards(self, job: Job, limit: int, offset: int) -> tuple[list[schemas.ShardOut], int]:
@@ -163,6 +242,12 @@ class JobService:
             output_dir=job.output_dir,
             manifest=str(manifest) if job.state == JobState.succeeded.value else None,
             engine=job.engine,
+            engines=list(job.engines or []),
+            output=self.output(job),
+            units_failed=[
+                schemas.FailedUnitOut(unit_index=u.unit_index, failures=u.failures, error=u.error)
+                for u in recovery.failed_units(self.session, job.id)
+            ],
             shards=schemas.ShardsPreview(total=total, items=first, href=f"/jobs/{job.id}/shards"),
             rejections=repo.rejection_counts(self.session, job.id),
             created_at=job.created_at,

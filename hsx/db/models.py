@@ -45,6 +45,9 @@ class UnitState(str, enum.Enum):
     pending = "pending"
     leased = "leased"
     done = "done"
+    # Failed for good (HSX_UNIT_MAX_FAILURES attempts, or a cause no retry heals); its job failed with it.
+    # POST /jobs/{id}/retry makes it pending again.
+    failed = "failed"
 
 
 class Job(Base):
@@ -72,9 +75,18 @@ class Job(Base):
     samples_total: Mapped[int] = mapped_column(Integer, default=0)
     samples_done: Mapped[int] = mapped_column(Integer, default=0)
     samples_rejected: Mapped[int] = mapped_column(Integer, default=0)
+    # Samples kept but cut to max_length (options.truncation == "truncate"); each is in `truncations`.
+    samples_truncated: Mapped[int] = mapped_column(Integer, default=0)
     tokens_done: Mapped[int] = mapped_column(BigInteger, default=0)
     units_total: Mapped[int] = mapped_column(Integer, default=0)
     units_done: Mapped[int] = mapped_column(Integer, default=0)
+    # Bytes of the committed shards, and what the whole output is projected to take (set at prepare:
+    # {"bytes", "tokens", "exact", "basis", "free_bytes"}).
+    bytes_written: Mapped[int] = mapped_column(BigInteger, default=0)
+    projection: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # Every engine a worker brought to this job, fit or not: [{"worker", "url", "state", "reason", ...}]
+    # (hsx.jobs.engines). `engine` above is the one the job started with, which the others must match.
+    engines: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
@@ -104,8 +116,21 @@ class WorkUnit(Base):
     lease_expires: Mapped[float | None] = mapped_column(Float, nullable=True)
     samples_done: Mapped[int] = mapped_column(Integer, default=0)
     samples_rejected: Mapped[int] = mapped_column(Integer, default=0)
+    samples_truncated: Mapped[int] = mapped_column(Integer, default=0)
     tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # Attempts that ended in an error (not a lost lease): at HSX_UNIT_MAX_FAILURES the unit fails.
+    failures: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # What the attempt holding the lease has handled so far, written by its heartbeat: progress shows
+    # before the unit commits. Only the committed counters above are exact.
+    live_samples_done: Mapped[int] = mapped_column(Integer, default=0)
+    live_samples_rejected: Mapped[int] = mapped_column(Integer, default=0)
+    live_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    # A retry unit (POST /jobs/{id}/retry) re-runs these samples of its parent unit's byte range; None for
+    # a unit that runs every sample of its range.
+    sample_indices: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
+    parent_unit_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Shard(Base):
@@ -136,3 +161,22 @@ class Rejection(Base):
     sample_index: Mapped[int] = mapped_column(Integer)
     reason: Mapped[str] = mapped_column(String(64))
     detail: Mapped[str] = mapped_column(Text, default="")
+    # The record's own "id" (or "conversation_id") when it has one.
+    record_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    # Set when a retry unit takes this sample; the row is replaced when that unit commits.
+    retry_unit_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class Truncation(Base):
+    """A sample that was kept but cut to the job's max_length."""
+
+    __tablename__ = "truncations"
+    __table_args__ = (UniqueConstraint("job_id", "sample_index", name="uq_truncations_job_sample"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    unit_id: Mapped[int] = mapped_column(ForeignKey("work_units.id", ondelete="CASCADE"))
+    sample_index: Mapped[int] = mapped_column(Integer)
+    record_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    tokens: Mapped[int] = mapped_column(Integer)  # before the cut
+    kept: Mapped[int] = mapped_column(Integer)

@@ -44,7 +44,12 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
             hf_indices=list(engine.get("hf_indices", [])),
             dtype=str(engine.get("state_dtype", "")),
             hidden_size=int(engine.get("hidden_size", 0)),
-            counts=Counts(samples=job.samples_done, rejected=job.samples_rejected, tokens=job.tokens_done),
+            counts=Counts(
+                samples=job.samples_done,
+                rejected=job.samples_rejected,
+                tokens=job.tokens_done,
+                truncated=job.samples_truncated,
+            ),
             shards=[
                 ShardEntry(
                     path=relative_shard_path(out, Path(s.path)),

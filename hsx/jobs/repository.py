@@ -6,12 +6,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, func, insert, or_, select, update
+from sqlalchemy import and_, delete, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from hsx.db.models import Job, JobState, Rejection, Shard, UnitState, WorkUnit, utcnow
+from hsx.db.models import Job, JobState, Rejection, Shard, Truncation, UnitState, WorkUnit, utcnow
 
 ACTIVE_STATES = (JobState.queued.value, JobState.running.value)
+# A fresh attempt starts with nothing handled.
+_NO_LIVE_COUNTS: dict[str, Any] = {"live_samples_done": 0, "live_samples_rejected": 0, "live_tokens": 0}
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,19 @@ class ClaimedUnit:
     owner: str
     byte_start: int | None = None
     byte_end: int | None = None
+    # A retry unit's samples (its range holds others, already published or rejected for good).
+    sample_indices: tuple[int, ...] | None = None
+    # The unit whose rejections a retry unit re-runs; they are replaced when this one commits.
+    source_unit_id: int | None = None
+
+    def holds(self, sample_index: int) -> bool:
+        return self.sample_indices is None or sample_index in self.sample_indices
+
+    @property
+    def sample_count(self) -> int:
+        if self.sample_indices is not None:
+            return len(self.sample_indices)
+        return self.sample_end - self.sample_start
 
 
 @dataclass(frozen=True)
@@ -32,6 +47,24 @@ class RejectionRow:
     sample_index: int
     reason: str
     detail: str
+    record_id: str | None = None
+
+
+@dataclass(frozen=True)
+class TruncationRow:
+    sample_index: int
+    tokens: int  # before the cut
+    kept: int
+    record_id: str | None = None
+
+
+@dataclass(frozen=True)
+class LiveCounts:
+    """What an attempt has handled so far, shown before it commits."""
+
+    samples_done: int
+    samples_rejected: int
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -80,9 +113,11 @@ def record_prepared(
     records_path: str,
     records_bytes: int,
     units: Sequence[tuple[int, int, int, int]],
+    projection: dict[str, Any] | None = None,
 ) -> bool:
-    """Store the prepared records and create the units ``(sample_start, sample_end, byte_start,
-    byte_end)``, fenced on the prepare lease; False (nothing written) when the lease was lost."""
+    """Store the prepared records (and the output's projected size) and create the units
+    ``(sample_start, sample_end, byte_start, byte_end)``, fenced on the prepare lease; False (nothing
+    written) when the lease was lost."""
     samples = units[-1][1] if units else 0
     result = session.execute(
         update(Job)
@@ -93,6 +128,7 @@ def record_prepared(
             samples_total=samples,
             units_total=len(units),
             prepare_expires=None,
+            projection=projection,
             updated_at=utcnow(),
         )
         .execution_options(synchronize_session=False)
@@ -114,7 +150,12 @@ def record_prepared(
                     "attempt": 0,
                     "samples_done": 0,
                     "samples_rejected": 0,
+                    "samples_truncated": 0,
                     "tokens": 0,
+                    "failures": 0,
+                    "live_samples_done": 0,
+                    "live_samples_rejected": 0,
+                    "live_tokens": 0,
                 }
                 for i, (s0, s1, b0, b1) in enumerate(units)
             ],
@@ -162,6 +203,14 @@ def job_state(session: Session, job_id: str) -> str | None:
     return session.scalar(select(Job.state).where(Job.id == job_id))
 
 
+def active_jobs(session: Session, limit: int = 100) -> list[Job]:
+    return list(
+        session.scalars(
+            select(Job).where(Job.state.in_(ACTIVE_STATES)).order_by(Job.created_at).limit(limit)
+        ).all()
+    )
+
+
 def active_job_ids(session: Session) -> list[str]:
     return list(session.scalars(select(Job.id).where(Job.state.in_(ACTIVE_STATES))).all())
 
@@ -200,6 +249,7 @@ def claim_unit(
                 attempt=attempt + 1,
                 lease_owner=owner,
                 lease_expires=now + lease_seconds,
+                **_NO_LIVE_COUNTS,
             )
             .execution_options(synchronize_session=False)
         )
@@ -217,6 +267,8 @@ def claim_unit(
                 owner,
                 unit.byte_start,
                 unit.byte_end,
+                None if unit.sample_indices is None else tuple(unit.sample_indices),
+                unit.parent_unit_id,
             )
     return None
 
@@ -231,12 +283,22 @@ def _owned(unit: ClaimedUnit, now: float) -> Any:
     )
 
 
-def extend_lease(session: Session, unit: ClaimedUnit, lease_seconds: float, now: float) -> bool:
-    """A heartbeat: succeeds only while this attempt still holds an unexpired lease."""
+def extend_lease(
+    session: Session, unit: ClaimedUnit, lease_seconds: float, now: float, live: LiveCounts | None = None
+) -> bool:
+    """A heartbeat: succeeds only while this attempt still holds an unexpired lease. ``live`` is what the
+    attempt has handled so far (shown in the job's progress until the unit commits)."""
+    values: dict[str, Any] = {"lease_expires": now + lease_seconds}
+    if live is not None:
+        values.update(
+            live_samples_done=live.samples_done,
+            live_samples_rejected=live.samples_rejected,
+            live_tokens=live.tokens,
+        )
     result = session.execute(
         update(WorkUnit)
         .where(_owned(unit, now))
-        .values(lease_expires=now + lease_seconds)
+        .values(**values)
         .execution_options(synchronize_session=False)
     )
     return bool(result.rowcount)  # type: ignore[attr-defined]
@@ -249,7 +311,7 @@ def release_unit(session: Session, unit: ClaimedUnit) -> bool:
         .where(
             WorkUnit.id == unit.id, WorkUnit.attempt == unit.attempt, WorkUnit.state == UnitState.leased.value
         )
-        .values(state=UnitState.pending.value, lease_owner=None, lease_expires=None)
+        .values(state=UnitState.pending.value, lease_owner=None, lease_expires=None, **_NO_LIVE_COUNTS)
         .execution_options(synchronize_session=False)
     )
     return bool(result.rowcount)  # type: ignore[attr-defined]
@@ -280,10 +342,14 @@ def commit_unit(
     samples_done: int,
     tokens: int,
     publish: Callable[[], None],
+    truncations: Sequence[TruncationRow] = (),
 ) -> bool:
     """Record a unit's results once. The fenced UPDATE both checks that this attempt still owns an unexpired
     lease and takes the row's write lock, so ``publish`` (the shard's rename into place) runs while no
-    other attempt can commit. Returns False, writing nothing, when the lease was lost."""
+    other attempt can commit. Returns False, writing nothing, when the lease was lost.
+
+    A retry unit replaces the rejections of the samples it re-ran in this same transaction: a sample is
+    never both published and rejected, and never published twice."""
     result = session.execute(
         update(WorkUnit)
         .where(_owned(unit, now))
@@ -292,13 +358,16 @@ def commit_unit(
             lease_expires=None,
             samples_done=samples_done,
             samples_rejected=len(rejections),
+            samples_truncated=len(truncations),
             tokens=tokens,
             finished_at=utcnow(),
+            **_NO_LIVE_COUNTS,
         )
         .execution_options(synchronize_session=False)
     )
     if not result.rowcount:  # type: ignore[attr-defined]
         return False
+    replaced = _take_back_rejections(session, unit)
     publish()
     if shard is not None:
         session.add(
@@ -316,23 +385,62 @@ def commit_unit(
         )
     session.add_all(
         Rejection(
-            job_id=unit.job_id, unit_id=unit.id, sample_index=r.sample_index, reason=r.reason, detail=r.detail
+            job_id=unit.job_id,
+            unit_id=unit.id,
+            sample_index=r.sample_index,
+            reason=r.reason[:64],
+            detail=r.detail,
+            record_id=r.record_id,
         )
         for r in rejections
+    )
+    session.add_all(
+        Truncation(
+            job_id=unit.job_id,
+            unit_id=unit.id,
+            sample_index=t.sample_index,
+            record_id=t.record_id,
+            tokens=t.tokens,
+            kept=t.kept,
+        )
+        for t in truncations
     )
     session.execute(
         update(Job)
         .where(Job.id == unit.job_id)
         .values(
             samples_done=Job.samples_done + samples_done,
-            samples_rejected=Job.samples_rejected + len(rejections),
+            samples_rejected=Job.samples_rejected + len(rejections) - replaced,
+            samples_truncated=Job.samples_truncated + len(truncations),
             tokens_done=Job.tokens_done + tokens,
+            bytes_written=Job.bytes_written + (shard.bytes if shard is not None else 0),
             units_done=Job.units_done + 1,
             updated_at=utcnow(),
         )
         .execution_options(synchronize_session=False)
     )
     return True
+
+
+def _take_back_rejections(session: Session, unit: ClaimedUnit) -> int:
+    """A retry unit's commit: delete the rejections it re-ran (they are re-recorded from its results) and
+    take them off the counts of the unit that recorded them. Returns how many."""
+    if unit.sample_indices is None or unit.source_unit_id is None:
+        return 0
+    taken = session.execute(
+        delete(Rejection)
+        .where(Rejection.job_id == unit.job_id, Rejection.retry_unit_id == unit.id)
+        .execution_options(synchronize_session=False)
+    )
+    count = int(taken.rowcount)  # type: ignore[attr-defined]
+    if count:
+        session.execute(
+            update(WorkUnit)
+            .where(WorkUnit.id == unit.source_unit_id)
+            .values(samples_rejected=WorkUnit.samples_rejected - count)
+            .execution_options(synchronize_session=False)
+        )
+    return count
 
 
 def unit_counts(session: Session, job_id: str) -> dict[str, int]:
@@ -386,6 +494,34 @@ def list_shards(session: Session, job_id: str) -> list[Shard]:
             .order_by(WorkUnit.unit_index)
         ).all()
     )
+
+
+def list_truncations(session: Session, job_id: str, limit: int, offset: int) -> tuple[list[Truncation], int]:
+    rows = session.scalars(
+        select(Truncation)
+        .where(Truncation.job_id == job_id)
+        .order_by(Truncation.sample_index)
+        .limit(limit)
+        .offset(offset)
+    ).all()
+    total = session.scalar(select(func.count()).select_from(Truncation).where(Truncation.job_id == job_id))
+    return list(rows), int(total or 0)
+
+
+def live_counts(session: Session, job_id: str, now: float) -> LiveCounts:
+    """What the attempts holding live leases have handled so far (not yet committed)."""
+    row = session.execute(
+        select(
+            func.coalesce(func.sum(WorkUnit.live_samples_done), 0),
+            func.coalesce(func.sum(WorkUnit.live_samples_rejected), 0),
+            func.coalesce(func.sum(WorkUnit.live_tokens), 0),
+        ).where(
+            WorkUnit.job_id == job_id,
+            WorkUnit.state == UnitState.leased.value,
+            WorkUnit.lease_expires >= now,
+        )
+    ).one()
+    return LiveCounts(int(row[0]), int(row[1]), int(row[2]))
 
 
 def list_rejections(session: Session, job_id: str, limit: int, offset: int) -> tuple[list[Rejection], int]:

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from hsx import contract
+from hsx.model_identity import model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ class ReferenceEngine:
         self.hidden_size = int(model_config.hidden_size)
         self.vocab_size = int(model_config.vocab_size)
         self.max_positions = int(getattr(model_config, "max_position_embeddings", 0) or 0)
+        self.fingerprint = model_fingerprint(config.model_dir)
         self.aux_layer_ids = list(
             config.aux_layer_ids
             if config.aux_layer_ids is not None
@@ -189,6 +191,8 @@ class ReferenceEngine:
             dump_dir=self.config.dump_dir,
             prefix_cache=self.prefix_cache is not None,
             final_state=self.final_state,
+            extra={contract.MODEL_FINGERPRINT: self.fingerprint},
+            context_length=self.max_positions or None,
         )
 
     def prefill(self, input_ids: Sequence[int], rid: str, extra_key: str | None = None) -> PrefillResult:

@@ -115,6 +115,7 @@ def build_info(
         prefix_cache=not bool(getattr(server_args, "disable_radix_cache", False)),
         final_state=ns.final_state,
         extra=engine_extra(server_args, version),
+        context_length=int(getattr(model_config, "context_len", 0) or 0) or None,
     )
     return info, cfg
 

@@ -20,6 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--final-state", choices=["post", "pre", "both"], default="post")
     parser.add_argument(
+        "--seed", type=int, default=7, help="pattern seed: another seed acts as another checkpoint"
+    )
+    parser.add_argument("--context-length", type=int, default=32768, help="the positions a prompt may have")
+    parser.add_argument(
         "--tokenizer",
         default="",
         help="tokenizer directory reported as the model path (for chat templates); 'default' for the "
@@ -57,6 +61,8 @@ def main(argv: list[str]) -> int:
                 model_path=tokenizer,
                 aux_layer_ids=aux,
                 final_state=args.final_state,
+                seed=args.seed,
+                context_length=args.context_length,
             )
         )
     except (ValueError, FileNotFoundError) as exc:

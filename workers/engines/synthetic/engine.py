@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hsx import contract
+from hsx.model_identity import fingerprint_of
 from hsx.safetensors_io import encode_header
 
 BACKEND = "synthetic"
@@ -34,6 +35,9 @@ class SyntheticConfig:
     model_path: str = ""  # a tokenizer directory, for jobs that apply a chat template
     aux_layer_ids: list[int] | None = None
     final_state: str = "post"
+    # Another seed is another "checkpoint" of the same shape: other states, another fingerprint.
+    seed: int = 7
+    context_length: int = 32768
 
 
 def pattern_table(hidden_size: int, seed: int = 7) -> npt.NDArray[np.uint16]:
@@ -52,7 +56,16 @@ class SyntheticEngine:
         aux = config.aux_layer_ids or contract.eagle3_aux_layer_ids(config.num_layers)
         self.aux_layer_ids = list(aux)
         self.hf_indices = contract.hf_indices(self.aux_layer_ids, config.num_layers)
-        self.table = pattern_table(config.hidden_size)
+        self.table = pattern_table(config.hidden_size, config.seed)
+        self.fingerprint = fingerprint_of(
+            {
+                "backend": BACKEND,
+                "hidden_size": config.hidden_size,
+                "num_layers": config.num_layers,
+                "seed": config.seed,
+                "pattern_rows": PATTERN_ROWS,
+            }
+        )
         os.makedirs(config.dump_dir, exist_ok=True)
 
     def tensor_names(self) -> list[tuple[str, int]]:
@@ -77,7 +90,12 @@ class SyntheticEngine:
             dump_dir=self.config.dump_dir,
             prefix_cache=False,
             final_state=self.config.final_state,
-            extra={"pattern": f"table[(token + 31 * hf_index) % {PATTERN_ROWS}]"},
+            extra={
+                "pattern": f"table[(token + 31 * hf_index) % {PATTERN_ROWS}]",
+                "seed": self.config.seed,
+                contract.MODEL_FINGERPRINT: self.fingerprint,
+            },
+            context_length=self.config.context_length,
         )
 
     def prefill(self, input_ids: list[int], rid: str) -> None:

@@ -39,6 +39,14 @@ def create_app(engine: SyntheticEngine) -> FastAPI:
         rid = body.get("rid")
         if rid is not None and not isinstance(rid, str):
             return _bad("rid must be a string")
+        if len(ids) > engine.config.context_length:
+            return JSONResponse(
+                status_code=400,
+                content={
+                    "error": "too_long",
+                    "detail": f"{len(ids)} tokens exceed the context length {engine.config.context_length}",
+                },
+            )
         try:
             await run_in_threadpool(engine.prefill, ids, rid or "")
         except FileExistsError:

@@ -13,7 +13,8 @@ import numpy as np
 import numpy.typing as npt
 
 from hsx.contract import DumpMeta, tensor_name
-from workers.engine_client import Dump
+from hsx.engine_client import Dump
+from hsx.errors import ReasonError
 
 # Stable reason codes, stored with rejected samples and counted in job reports.
 CACHED_TOKENS: Final = "cached_tokens"
@@ -24,6 +25,10 @@ HIDDEN_SIZE_MISMATCH: Final = "hidden_size_mismatch"
 NON_FINITE: Final = "non_finite"
 DUMP_MISSING: Final = "dump_missing"
 ENGINE_REJECTED: Final = "engine_rejected"
+# The engine gave no answer in time while it still answered other requests (sent twice, then rejected).
+ENGINE_TIMEOUT: Final = "engine_timeout"
+# Longer than the job's max_length, with truncation "reject" (or no assistant token left after the cut).
+TOO_LONG: Final = "too_long"
 REASONS: Final = (
     CACHED_TOKENS,
     TOKEN_COUNT,
@@ -33,17 +38,31 @@ REASONS: Final = (
     NON_FINITE,
     DUMP_MISSING,
     ENGINE_REJECTED,
+    ENGINE_TIMEOUT,
+)
+# Rejections that say what an engine did, not what the sample is: another try (POST /jobs/{id}/retry,
+# perhaps on other engines) can keep the sample. An engine's 4xx refusal (engine_rejected) would be
+# refused again, and the dataset's and the chat template's reasons are the record's own.
+RETRIABLE_REASONS: Final = frozenset(
+    {
+        CACHED_TOKENS,
+        TOKEN_COUNT,
+        INPUT_IDS_MISMATCH,
+        LAYERS_MISMATCH,
+        HIDDEN_SIZE_MISMATCH,
+        NON_FINITE,
+        DUMP_MISSING,
+        ENGINE_TIMEOUT,
+        "dtype_mismatch",
+    }
 )
 
 _BF16_EXPONENT_MASK: Final = 0x7F80  # all ones: Inf or NaN
 _BF16_NAMES: Final = ("BF16", "bfloat16", "bf16")
 
 
-class SampleRejected(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
+class SampleRejected(ReasonError):
+    """A capture that must not become training data; ``reason`` is stored with the rejected sample."""
 
 
 def validate_dump(
