@@ -129,6 +129,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     }
     if args.max_length is not None:
         options["max_length"] = args.max_length
+    if args.truncation:
+        options["truncation"] = args.truncation
     if args.aux_layers:
         options["aux_layers"] = [int(x) for x in args.aux_layers.split(",")]
     api = _api(args.api_url)
@@ -137,6 +139,20 @@ def cmd_submit(args: argparse.Namespace) -> int:
     body = {"dataset_uri": ui.local_dataset_uri(args.dataset), "options": options}
     try:
         doc = api.call("POST", "/jobs", json=body, timeout=120)
+        if args.wait:
+            doc = ui.watch(api, doc["id"], args.timeout, args.interval, show=not args.json)
+    except ui.ApiError as exc:
+        return ui.print_error(exc, args.json)
+    _show_job(doc, args.json)
+    return ui.exit_code_for_state(doc.get("state"), waiting=True) if args.wait else ui.EXIT_SUCCEEDED
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    from hsx import cli_progress as ui
+
+    api = _api(args.api_url)
+    try:
+        doc = api.call("POST", f"/jobs/{args.job_id}/retry")
         if args.wait:
             doc = ui.watch(api, doc["id"], args.timeout, args.interval, show=not args.json)
     except ui.ApiError as exc:
@@ -211,8 +227,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from hsx.verify import run_verification
 
     settings = get_settings()
+    job = None
+    if args.job:
+        from hsx import cli_progress as ui
+
+        try:
+            job = _api(args.api_url).call("GET", f"/jobs/{args.job}")
+        except ui.ApiError as exc:
+            return ui.print_error(exc, True)
     report = run_verification(
-        args.engine_url or settings.engine_url, args.dump_dir or settings.dump_dir or None
+        args.engine_url or settings.engine_url, args.dump_dir or settings.dump_dir or None, job=job
     )
     doc = report.to_dict()
     if args.reference and report.ok:
@@ -302,7 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=24 * 3600)
     p.add_argument("--interval", type=float, default=1.0, help="seconds between polls while waiting")
     p.add_argument("--no-chat-template", action="store_true")
-    p.add_argument("--max-length", type=_positive_int, help="truncate samples to this many tokens (> 0)")
+    p.add_argument("--max-length", type=_positive_int, help="the most tokens a sample may have (> 0)")
+    p.add_argument(
+        "--truncation",
+        choices=["truncate", "reject"],
+        help="a longer sample is cut and kept (the default) or rejected as too_long",
+    )
     p.add_argument("--aux-layers")
     p.add_argument("--samples-per-shard", type=int, default=64)
     p.add_argument("--idempotency-key")
@@ -316,6 +345,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_watch)
+
+    p = sub.add_parser("retry", help="run a finished job again: its failed units and engine-side rejections")
+    p.add_argument("job_id")
+    p.add_argument("--api-url", default=settings.api_url)
+    p.add_argument("--wait", action="store_true", help="draw a progress bar until the job ends")
+    p.add_argument("--timeout", type=float, default=24 * 3600)
+    p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.set_defaults(func=cmd_retry)
 
     p = sub.add_parser("status", help="show a job")
     p.add_argument("job_id")
@@ -335,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-url")
     p.add_argument("--dump-dir")
     p.add_argument("--reference", action="store_true", help="also compare values with a transformers forward")
+    p.add_argument("--job", help="also say whether the engine may serve this job (and why not)")
+    p.add_argument("--api-url", default=settings.api_url)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("demo", help="run a real extraction job end to end on the embedded defaults")

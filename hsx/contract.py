@@ -45,6 +45,29 @@ LAYER_CONVENTION = (
 )
 
 
+# Accepted spellings of the state dtype, mapped to the safetensors name the shard uses.
+STATE_DTYPES = {
+    "BF16": "BF16",
+    "bf16": "BF16",
+    "bfloat16": "BF16",
+    "F16": "F16",
+    "fp16": "F16",
+    "float16": "F16",
+    "F32": "F32",
+    "fp32": "F32",
+    "float32": "F32",
+}
+
+
+def canonical_state_dtype(dtype: str) -> str:
+    try:
+        return STATE_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"unsupported state dtype {dtype!r}; expected one of {sorted(STATE_DTYPES)}"
+        ) from None
+
+
 def eagle3_aux_layer_ids(num_layers: int) -> list[int]:
     """The EAGLE-3 default: low, middle and high decoder layers."""
     if num_layers < 5:

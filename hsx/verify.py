@@ -230,6 +230,12 @@ def _dump_checks(info: contract.EngineInfo, label: str, ids: Sequence[int], dump
     # With only the pre-norm final state captured, hidden.<N> is absent (final_pre_norm stands for it).
     expected = sorted(info.hf_indices if info.final_state != "pre" else info.hf_indices[:-1])
     checks.append(Check(f"{label}.layers", layers == expected, expected, layers))
+    try:
+        expected_dtype = contract.canonical_state_dtype(info.dtype)
+    except ValueError:
+        expected_dtype = info.dtype
+    dtypes = sorted(set(dump.dtypes.values()))
+    checks.append(Check(f"{label}.dtype", dtypes == [expected_dtype], expected_dtype, dtypes))
     widths = sorted({int(state.shape[-1]) if state.ndim == 2 else -1 for state in dump.states.values()})
     checks.append(Check(f"{label}.hidden_size", widths == [info.hidden_size], info.hidden_size, widths))
     return checks

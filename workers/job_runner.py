@@ -321,8 +321,8 @@ class JobRunner:
 
     def _engine_record(self, info: EngineInfo) -> dict[str, Any]:
         """What the job is bound to: the engine's model and layers, the tokenizer and its chat template."""
+        from hsx.contract import canonical_state_dtype
         from workers.chat import chat_template_sha256, tokenizer_identity
-        from workers.shards import canonical_state_dtype
 
         record = info.to_dict()
         record["state_dtype"] = canonical_state_dtype(info.dtype)

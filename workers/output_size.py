@@ -18,10 +18,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hsx.contract import EngineInfo
+from hsx.contract import EngineInfo, canonical_state_dtype
 from hsx.safetensors_io import DTYPE_SIZES
 from workers.records import Pretokenized, parse_record
-from workers.shards import canonical_state_dtype
 from workers.unit_processor import REJECT, dump_tensors
 
 if TYPE_CHECKING:

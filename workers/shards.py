@@ -25,22 +25,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from hsx.contract import canonical_state_dtype as canonical_state_dtype
 from hsx.safetensors_io import TensorSpec, encode_header
 from hsx.validation import LAYERS_MISMATCH, NON_FINITE, TOKEN_COUNT, SampleRejected
 from workers.faults import crash_point
 
-# Accepted spellings of the state dtype, mapped to the safetensors name the shard uses.
-STATE_DTYPES = {
-    "BF16": "BF16",
-    "bf16": "BF16",
-    "bfloat16": "BF16",
-    "F16": "F16",
-    "fp16": "F16",
-    "float16": "F16",
-    "F32": "F32",
-    "fp32": "F32",
-    "float32": "F32",
-}
 CHUNK_BYTES = 1 << 20
 # Bits that are all ones in the exponent of a non-finite value, per 16-bit float format.
 _EXPONENT_MASKS = {"BF16": 0x7F80, "F16": 0x7C00}
@@ -48,15 +37,6 @@ _EXPONENT_MASKS = {"BF16": 0x7F80, "F16": 0x7C00}
 # is under 120 bytes for any realistic size; the reserve is checked when the header is written.
 _HEADER_BYTES_PER_TENSOR = 160
 _HEADER_BASE_BYTES = 1024
-
-
-def canonical_state_dtype(dtype: str) -> str:
-    try:
-        return STATE_DTYPES[dtype]
-    except KeyError:
-        raise ValueError(
-            f"unsupported state dtype {dtype!r}; expected one of {sorted(STATE_DTYPES)}"
-        ) from None
 
 
 def sample_tensor_name(position: int, dump_tensor: str) -> str:

@@ -24,6 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--context-length", type=int, default=32768, help="the positions a prompt may have")
     parser.add_argument(
+        "--reported-dtype",
+        default="bfloat16",
+        help="the dtype /hsx/info reports (dumps are bf16 whatever it says: another value makes an engine "
+        "that breaks the protocol, for tests)",
+    )
+    parser.add_argument(
         "--tokenizer",
         default="",
         help="tokenizer directory reported as the model path (for chat templates); 'default' for the "
@@ -63,6 +69,7 @@ def main(argv: list[str]) -> int:
                 final_state=args.final_state,
                 seed=args.seed,
                 context_length=args.context_length,
+                reported_dtype=args.reported_dtype,
             )
         )
     except (ValueError, FileNotFoundError) as exc:

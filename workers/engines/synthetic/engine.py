@@ -38,6 +38,9 @@ class SyntheticConfig:
     # Another seed is another "checkpoint" of the same shape: other states, another fingerprint.
     seed: int = 7
     context_length: int = 32768
+    # What /hsx/info says the states are; dumps are bf16 whatever it says. Anything else makes an engine
+    # that breaks the protocol, which tests use to show a worker refusing it.
+    reported_dtype: str = "bfloat16"
 
 
 def pattern_table(hidden_size: int, seed: int = 7) -> npt.NDArray[np.uint16]:
@@ -84,7 +87,7 @@ class SyntheticEngine:
             model_path=self.config.model_path,
             num_layers=self.config.num_layers,
             hidden_size=self.config.hidden_size,
-            dtype="bfloat16",
+            dtype=self.config.reported_dtype,
             aux_layer_ids=self.aux_layer_ids,
             hf_indices=self.hf_indices,
             dump_dir=self.config.dump_dir,
