@@ -137,12 +137,15 @@ def test_idempotency_key_cancel_and_listing(stack: Stack) -> None:
 def test_preflight_refuses_a_prefix_caching_engine(
     db_url: str, redis_url: str, engine_cache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    s = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch)
+    # The only engine is unfit: with no time granted to wait for a fit one, the job fails at its refusal.
+    s = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch, no_fit_engine_seconds="0")
     job = s.submit(SAMPLE)
     assert s.run_burst() == 0, s.logs()
     doc = s.wait(job["id"], timeout=30)
     assert doc["state"] == "failed"
+    assert doc["error"].startswith("no fit engine"), doc["error"]
     assert "preflight" in doc["error"] and "cached_tokens" in doc["error"], doc["error"]
+    assert doc["engines"][0]["state"] == "unfit" and doc["progress"]["units_total"] == 0
     assert doc["progress"]["samples_done"] == 0 and doc["shards"]["total"] == 0
     verify = s.client.post("/verify")
     assert verify.status_code == 503 and not verify.json()["ok"]

@@ -1,7 +1,8 @@
 """How many bytes a job's shards will take, projected once its records are known (at prepare).
 
 Every kept token costs one row per captured tensor (hidden size x dtype size each), 4 bytes of token id
-and 1 byte of loss mask; every sample and shard adds a little header and index. Pre-tokenized records
+and 1 byte of loss mask; every sample and shard adds its index entries and the header room the shard
+writer reserves (per record of the unit, whether kept or not). Pre-tokenized records
 give their token counts exactly. Chat records are counted from a sample: up to ``sample_size`` records
 drawn evenly over the file are encoded with the job's tokenizer and template, and their tokens per byte of
 JSON scale to every chat record's bytes; the projection then says it is an estimate, and on what basis.
@@ -26,10 +27,11 @@ from workers.unit_processor import REJECT, dump_tensors
 if TYPE_CHECKING:
     from workers.chat import ChatEncoder
 
-# Header room per tensor of a sample (workers.shards reserves this much) and per shard.
+# Header room the shard writer reserves per tensor of each record of its unit, and per shard (with the
+# 8-byte length, the header's alignment and the extra sample offset).
 HEADER_BYTES_PER_TENSOR = 160
-SHARD_OVERHEAD_BYTES = 1024 + 4 * 160
-# sample_offsets and sample_index: one I64 each per sample.
+SHARD_OVERHEAD_BYTES = 8 + 1024 + 8 + 8
+# sample_offsets and sample_index: one I64 each per kept sample.
 INDEX_BYTES_PER_SAMPLE = 16
 # With no tokenizer to count with: a rough tokens-per-byte of JSON chat records.
 FALLBACK_TOKENS_PER_BYTE = 0.25
@@ -71,6 +73,7 @@ class OutputProjector:
         self._encoder = encoder
         self.sample_size = max(1, sample_size)
         self._rng = random.Random(seed)
+        self.records = 0
         self.exact_tokens = 0
         self.exact_samples = 0
         self.chat_records = 0
@@ -78,6 +81,7 @@ class OutputProjector:
         self._sampled: list[bytes] = []
 
     def observe(self, line: bytes) -> None:
+        self.records += 1
         if b'"input_ids"' in line:
             record = parse_record(line)
             if isinstance(record, Pretokenized):
@@ -104,8 +108,13 @@ class OutputProjector:
         chat_tokens, basis = self._chat_tokens()
         tokens = self.exact_tokens + chat_tokens
         samples = self.exact_samples + self.chat_records
-        per_sample = HEADER_BYTES_PER_TENSOR * len(dump_tensors(self.info)) + INDEX_BYTES_PER_SAMPLE
-        total = tokens * bytes_per_token(self.info) + samples * per_sample + shards * SHARD_OVERHEAD_BYTES
+        header = HEADER_BYTES_PER_TENSOR * len(dump_tensors(self.info)) * self.records
+        total = (
+            tokens * bytes_per_token(self.info)
+            + samples * INDEX_BYTES_PER_SAMPLE
+            + header
+            + shards * SHARD_OVERHEAD_BYTES
+        )
         exact = self.chat_records == 0
         if exact:
             basis = f"exact: {self.exact_samples} pre-tokenized records, {tokens} tokens"
