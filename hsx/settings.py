@@ -56,10 +56,20 @@ class Settings(BaseSettings):
     allowed_uri_schemes: list[str] = ["file", "http", "https"]
     dataset_roots: list[Path] = []  # empty: the current directory and data_dir
     max_dataset_bytes: int = 10 << 30
-    allowed_buckets: list[str] = []  # s3:// buckets a dataset URI may name (s3 itself is not installed yet)
+    allowed_buckets: list[str] = []  # s3:// buckets a dataset URI or an output URI may name
     http_timeout_seconds: float = 30.0  # connect and per-read timeout of one dataset download
     http_download_deadline_seconds: float = 1800.0  # whole download, so a trickling server cannot hold on
     max_sample_tokens: int = 131072
+
+    # Object storage for s3:// datasets and outputs (the ``interop`` extra). Credentials come from the
+    # standard AWS chain (environment, shared config, instance role), never from these settings.
+    s3_endpoint_url: str = ""  # empty: AWS itself; set for MinIO, Ceph or a local test server
+    s3_region: str = ""
+    s3_multipart_threshold_bytes: int = 64 << 20  # files this large or larger go up in parts
+    s3_part_bytes: int = 64 << 20  # S3 needs at least 5 MiB per part except the last
+
+    # Trainer-format exports made through the API: one folder per export, with its status file beside it.
+    exports_dir: Path = Path("")  # empty: data_dir / "exports"
 
     @property
     def resolved_database_url(self) -> str:
@@ -82,6 +92,11 @@ class Settings(BaseSettings):
         path = (
             self.model_cache_dir if str(self.model_cache_dir) not in ("", ".") else self.data_dir / "models"
         )
+        return path.resolve()
+
+    @property
+    def resolved_exports_dir(self) -> Path:
+        path = self.exports_dir if str(self.exports_dir) not in ("", ".") else self.data_dir / "exports"
         return path.resolve()
 
     @property
