@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from app.exports.endpoints import router as exports_router
 from app.jobs.endpoints import router as jobs_router
 from app.ops import health_router, verify_router
 from app.security import BodySizeLimitMiddleware, require_token
@@ -50,6 +51,7 @@ def create_app() -> FastAPI:
     app.include_router(health_router)
     protected = [Depends(require_token)]
     app.include_router(jobs_router, dependencies=protected)
+    app.include_router(exports_router, dependencies=protected)
     app.include_router(verify_router, dependencies=protected)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     return app

@@ -224,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("export", help="write a job's output in a trainer's layout (SpecForge, speculators, ModelOpt)")
+    p = sub.add_parser(
+        "export", help="write a job's output in a trainer's layout (SpecForge, speculators, ModelOpt)"
+    )
     from hsx.export.cli import add_export_arguments
 
     add_export_arguments(p)

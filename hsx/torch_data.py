@@ -191,8 +191,10 @@ def collate_samples(
     """
     if not batch:
         raise ValueError("an empty batch")
-    lengths = [len(item["input_ids"]) if max_length is None else min(len(item["input_ids"]), max_length)
-               for item in batch]
+    lengths = [
+        len(item["input_ids"]) if max_length is None else min(len(item["input_ids"]), max_length)
+        for item in batch
+    ]
     width = max(lengths)
     if pad_to_multiple_of:
         width = -(-width // pad_to_multiple_of) * pad_to_multiple_of

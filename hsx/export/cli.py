@@ -10,7 +10,9 @@ from hsx.export.common import FORMATS, ExportOptions, export_output, resolve_sou
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", metavar="JOB_OR_DIR", help="a job id (under HSX_OUTPUT_DIR) or an output dir")
+    parser.add_argument(
+        "source", metavar="JOB_OR_DIR", help="a job id (under HSX_OUTPUT_DIR) or an output dir"
+    )
     parser.add_argument("--format", required=True, choices=FORMATS)
     parser.add_argument("dest", metavar="DEST", help="a new (or empty) directory for the export")
     parser.add_argument(

@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from hsx.export.common import ExportError, ExportOptions, TargetWriter, hash_existing, write_file
+from hsx.export.common import (
+    ExportError,
+    ExportOptions,
+    TargetWriter,
+    WrittenFile,
+    hash_existing,
+    write_file,
+)
 from hsx.manifest import Manifest
 from hsx.safetensors_io import encode_header
 
@@ -52,7 +59,8 @@ def _raw(tensor: torch.Tensor) -> memoryview:
 
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
-    return memoryview(np.ascontiguousarray(tensor.numpy())).cast("B")
+    array: Any = np.ascontiguousarray(tensor.numpy())
+    return memoryview(array).cast("B")
 
 
 class SpeculatorsWriter(TargetWriter):
@@ -149,7 +157,7 @@ class SpeculatorsWriter(TargetWriter):
         self._stream.close()
         self._arrow.close()
         self.files.append(hash_existing(self.root, ARROW_FILE))
-        state = {
+        state: dict[str, Any] = {
             "_data_files": [{"filename": ARROW_FILE}],
             "_fingerprint": secrets.token_hex(8),
             "_format_columns": None,
@@ -160,8 +168,7 @@ class SpeculatorsWriter(TargetWriter):
         }
         info = {"citation": "", "description": "", "features": _FEATURES, "homepage": "", "license": ""}
         for name, doc in (("state.json", state), ("dataset_info.json", info)):
-            text = json.dumps(doc, indent=2, sort_keys=True).encode()
-            self.files.append(write_file(self.root, name, lambda fh, text=text: fh.write(text)))
+            self.files.append(_write_json(self.root, name, doc))
         freq = dict(self.token_freq)
         self.files.append(write_file(self.root, TOKEN_FREQ_FILE, lambda fh: torch.save(freq, fh)))
         return {
@@ -185,3 +192,7 @@ class SpeculatorsWriter(TargetWriter):
                     continue
         return len(indices & set(range(self._rows)))
 
+
+def _write_json(root: Path, name: str, doc: dict[str, Any]) -> WrittenFile:
+    text = json.dumps(doc, indent=2, sort_keys=True).encode()
+    return write_file(root, name, lambda fh: fh.write(text))
