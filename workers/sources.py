@@ -15,8 +15,9 @@ accepts, and checks it again here:
 A converted file is ``dest_dir/source.jsonl``, written under a temp name, fsynced and renamed, so it is
 whole or absent. Record ``i`` is line ``i``: the sample numbering of :mod:`workers.dataset`. Parquet and
 Arrow give every row every column and every struct every field, so a value that is null is written as an
-absent key (that is how the same record reads in JSONL); dates become ISO text and binary values base64
-text. Columns are read with pyarrow alone: no ``datasets`` package at run time.
+absent key (that is how the same record reads in JSONL); values stored as JSON text (the ``arrow.json``
+type ``datasets`` uses for objects whose keys differ) are decoded; dates become ISO text and binary values
+base64 text. Columns are read with pyarrow alone: no ``datasets`` package at run time.
 
 Every refusal is a :class:`workers.dataset.DatasetError` with a stable reason.
 """
@@ -31,15 +32,17 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hsx.dataset_uri import (
+    HostCheck,
     UriRefused,
     check_dataset_uri,
     check_s3_uri,
     download_dataset,
+    ensure_public_host,
     is_datasets_folder,
     resolve_local_dataset,
     uri_scheme,
@@ -55,18 +58,27 @@ _BATCH_ROWS = 1024
 _CHUNK_BYTES = 1 << 20
 
 
-def materialize(dataset_uri: str, dest_dir: Path, settings: Settings) -> Path:
-    """The dataset as a local JSONL file: the original if it is one, else a new file under ``dest_dir``."""
+def materialize(
+    dataset_uri: str, dest_dir: Path, settings: Settings, *, check_host: HostCheck = ensure_public_host
+) -> Path:
+    """The dataset as a local JSONL file: the original if it is one, else a new file under ``dest_dir``.
+
+    ``check_host`` vets each http(s) hop (production: public addresses only; tests let loopback through).
+    """
     try:
-        check_dataset_uri(dataset_uri, settings)
+        # The same checks as at submit time, each where it applies: characters and the scheme allow-list
+        # first, then the roots for a path, every hop's addresses for a download, the bucket for s3.
         scheme = uri_scheme(dataset_uri, settings)
         if scheme == "file":
             source = resolve_local_dataset(dataset_uri, settings).path
         elif scheme in ("http", "https"):
             downloads = Path(dest_dir) / DOWNLOADS_DIR
-            source = download_dataset(dataset_uri, settings, into=downloads).path
-        else:
+            source = download_dataset(dataset_uri, settings, check_host=check_host, into=downloads).path
+        elif scheme == "s3":
             source = _fetch_s3(dataset_uri, Path(dest_dir) / DOWNLOADS_DIR, settings)
+        else:
+            check_dataset_uri(dataset_uri, settings)  # refuses a scheme hsx cannot read, saying so
+            raise DatasetError("uri_scheme_not_supported", f"{scheme}:// datasets cannot be read")
     except UriRefused as exc:
         raise DatasetError(exc.error, exc.detail) from exc
     return as_jsonl(source, Path(dest_dir))
@@ -125,6 +137,49 @@ def _json_value(value: Any) -> Any:
     raise TypeError(f"a {type(value).__name__} value has no JSON form")
 
 
+def _json_decoder(arrow_type: Any) -> Callable[[Any], Any] | None:
+    """How to turn a value of ``arrow_type`` from ``to_pylist`` back into JSON data (None: as it is).
+
+    ``datasets`` 4 and later store a column whose objects differ in their keys as the ``arrow.json``
+    extension type: JSON text per value, which is decoded here, at any depth.
+    """
+    import pyarrow as pa
+
+    if getattr(arrow_type, "extension_name", None) == "arrow.json":
+        return lambda value: None if value is None else json.loads(value)
+    if (
+        pa.types.is_list(arrow_type)
+        or pa.types.is_large_list(arrow_type)
+        or pa.types.is_fixed_size_list(arrow_type)
+    ):
+        inner = _json_decoder(arrow_type.value_type)
+        if inner is None:
+            return None
+        return lambda value: None if value is None else [inner(item) for item in value]
+    if pa.types.is_struct(arrow_type):
+        fields = {}
+        for index in range(arrow_type.num_fields):
+            field = arrow_type.field(index)
+            decoder = _json_decoder(field.type)
+            if decoder is not None:
+                fields[field.name] = decoder
+        if not fields:
+            return None
+        return lambda value: (
+            None if value is None else {k: fields[k](v) if k in fields else v for k, v in value.items()}
+        )
+    return None
+
+
+def _batch_records(batch: Any) -> Iterator[Any]:
+    decoders = {field.name: _json_decoder(field.type) for field in batch.schema}
+    decoders = {name: decoder for name, decoder in decoders.items() if decoder is not None}
+    for row in batch.to_pylist():
+        for name, decoder in decoders.items():
+            row[name] = decoder(row[name])
+        yield without_nulls(row)
+
+
 def without_nulls(value: Any) -> Any:
     """Drop null-valued keys at every depth (Arrow's filled-in struct fields); lists keep their nulls."""
     if isinstance(value, dict):
@@ -144,8 +199,7 @@ def _parquet_records(path: Path) -> Iterator[Any]:
     try:
         parquet = pq.ParquetFile(path)
         for batch in parquet.iter_batches(batch_size=_BATCH_ROWS):
-            for row in batch.to_pylist():
-                yield without_nulls(row)
+            yield from _batch_records(batch)
     except (pa.ArrowException, OSError) as exc:
         raise DatasetError("unreadable_parquet", f"{path.name}: {exc}") from exc
 
@@ -172,8 +226,7 @@ def _folder_records(folder: Path) -> Iterator[Any]:
     for name in files:
         try:
             for batch in _arrow_batches(folder / _plain_name(name)):
-                for row in batch.to_pylist():
-                    yield without_nulls(row)
+                yield from _batch_records(batch)
         except (pa.ArrowException, OSError) as exc:
             raise DatasetError("unreadable_datasets_folder", f"{name}: {exc}") from exc
 
