@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.fixtures.engine", "tests.fixtures.tokenizer", "tests.fixtures.stack", "tests.fixtures.s3"]
+pytest_plugins = [
+    "tests.fixtures.engine",
+    "tests.fixtures.tokenizer",
+    "tests.fixtures.stack",
+    "tests.fixtures.s3",
+]
 
 PG_ADMIN_URL = os.environ.get("HSX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("HSX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
