@@ -16,7 +16,7 @@ class ExportCreate(BaseModel):
 
     format: ExportFormat
     draft_vocab_size: int | None = Field(
-        None, ge=1, le=MAX_VOCAB, description="specforge: also write vocab_mapping/vocab_mapping.pt (d2t, t2d)"
+        None, ge=1, le=MAX_VOCAB, description="specforge: also write vocab_mapping/vocab_mapping.pt"
     )
     target_vocab_size: int | None = Field(
         None, ge=1, le=MAX_VOCAB, description="default: vocab_size in the target model's config.json"
