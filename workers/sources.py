@@ -157,7 +157,7 @@ def _json_decoder(arrow_type: Any) -> Callable[[Any], Any] | None:
             return None
         return lambda value: None if value is None else [inner(item) for item in value]
     if pa.types.is_struct(arrow_type):
-        fields = {}
+        fields: dict[str, Callable[[Any], Any]] = {}
         for index in range(arrow_type.num_fields):
             field = arrow_type.field(index)
             decoder = _json_decoder(field.type)
@@ -172,8 +172,11 @@ def _json_decoder(arrow_type: Any) -> Callable[[Any], Any] | None:
 
 
 def _batch_records(batch: Any) -> Iterator[Any]:
-    decoders = {field.name: _json_decoder(field.type) for field in batch.schema}
-    decoders = {name: decoder for name, decoder in decoders.items() if decoder is not None}
+    decoders: dict[str, Callable[[Any], Any]] = {}
+    for field in batch.schema:
+        decoder = _json_decoder(field.type)
+        if decoder is not None:
+            decoders[field.name] = decoder
     for row in batch.to_pylist():
         for name, decoder in decoders.items():
             row[name] = decoder(row[name])
