@@ -8,12 +8,16 @@ from http import HTTPStatus
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError, ProgrammingError, SQLAlchemyError
 from starlette.exceptions import HTTPException
 
 from app.exports.endpoints import router as exports_router
+from app.fleet import router as fleet_router
 from app.jobs.endpoints import router as jobs_router
+from app.metrics import router as metrics_router
 from app.ops import health_router, verify_router
 from app.security import BodySizeLimitMiddleware, require_token
+from app.ui import DashboardFiles
 from hsx.errors import HsxError
 from hsx.settings import get_settings
 
@@ -48,13 +52,37 @@ def create_app() -> FastAPI:
         )
         return JSONResponse({"error": "invalid_request", "detail": problems}, status_code=422)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the traceback after this answer; the client gets the one error shape, not text.
+        return JSONResponse(internal_error_body(exc), status_code=500)
+
     app.include_router(health_router)
     protected = [Depends(require_token)]
     app.include_router(jobs_router, dependencies=protected)
     app.include_router(exports_router, dependencies=protected)
     app.include_router(verify_router, dependencies=protected)
+    app.include_router(fleet_router, dependencies=protected)
+    app.include_router(metrics_router, dependencies=protected)
+    # The dashboard's files hold no data and are served to anyone; every call the page makes needs the token.
+    app.mount("/ui", DashboardFiles(), name="ui")
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     return app
+
+
+def internal_error_body(exc: Exception) -> dict[str, str]:
+    """The 500 answer: what failed, without a traceback; a database failure says what the database said."""
+    if isinstance(exc, SQLAlchemyError):
+        said = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        reason = said[0][:200] if said else type(exc).__name__
+        hint = ""
+        if isinstance(exc, OperationalError | ProgrammingError):
+            hint = "; is it reachable, and migrated (hsx db upgrade with the API's HSX_DATABASE_URL)?"
+        return {"error": "database_error", "detail": f"the database failed: {reason}{hint}"}
+    return {
+        "error": "internal_error",
+        "detail": f"the server failed ({type(exc).__name__}); the API log has the details",
+    }
 
 
 app = create_app()

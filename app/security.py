@@ -8,10 +8,13 @@ Token policy, :func:`require_token`:
 * No token and ``HSX_AUTH_DISABLED=true``: open to every client. An explicit opt-in for a trusted network.
 * No token otherwise: loopback clients are served without one and everyone else gets 401. The embedded
   single-machine demo (API on 127.0.0.1) works with no setup, while an API exposed on a network by mistake
-  refuses strangers instead of running open. Behind a reverse proxy on the same host every request looks
-  local unless the proxy sends ``X-Forwarded-For`` (which uvicorn trusts only from 127.0.0.1 by default), so
-  configure a token there; the compose file does.
-* A token file that cannot be read: 503, failing closed rather than open.
+  refuses strangers instead of running open. A request that carries forwarding headers (``X-Forwarded-For``,
+  ``Forwarded``, ``X-Real-IP``) came through a proxy and never counts as local, unless trusted proxies are
+  configured (``HSX_FORWARDED_ALLOW_IPS``, which ``hsx api`` hands to uvicorn; without it uvicorn ignores
+  those headers).
+* A token that is configured but empty (``HSX_API_TOKEN=""``, an empty token file) or a token file that
+  cannot be read: 503, failing closed rather than open. ``hsx api`` refuses to start in that case, and
+  refuses to listen on a non-loopback address with no token at all (:func:`serving_refusal`).
 
 The token is compared in constant time and never logged or echoed back.
 
@@ -31,17 +34,46 @@ from fastapi import Depends, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hsx.errors import PayloadTooLarge, ServiceUnavailable, Unauthorized
-from hsx.settings import Settings, get_settings
+from hsx.settings import Settings, TokenConfigError, get_settings
 
 log = logging.getLogger(__name__)
 
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
+_FORWARDING_HEADERS = ("x-forwarded-for", "forwarded", "x-real-ip")
+
+
+def serving_refusal(host: str, settings: Settings) -> str | None:
+    """Why the API must not start listening on ``host`` with ``settings``; None when it may."""
+    try:
+        token = settings.token()
+    except TokenConfigError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"cannot read the API token file {settings.api_token_file}: {exc.strerror}"
+    if token or settings.auth_disabled or _is_loopback_host(host):
+        return None
+    return (
+        f"refusing to serve on {host} without an API token: set HSX_API_TOKEN_FILE (or HSX_API_TOKEN), "
+        "or HSX_AUTH_DISABLED=true to serve every client on a trusted network"
+    )
+
+
+def _is_loopback_host(host: str) -> bool:
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
 
 
 def require_token(request: Request, settings: Annotated[Settings, Depends(get_settings)]) -> None:
     """FastAPI dependency enforcing the token policy above; raises :class:`~hsx.errors.HsxError`."""
     try:
         expected = settings.token()
+    except TokenConfigError as exc:
+        log.error("%s", exc)
+        raise ServiceUnavailable("the API token is configured but empty", error="auth_unavailable") from None
     except OSError as exc:
         # The path is configuration, not a secret; the file's content is never touched here.
         log.error("cannot read the API token file %s: %s", settings.api_token_file, exc.strerror)
@@ -56,10 +88,11 @@ def require_token(request: Request, settings: Annotated[Settings, Depends(get_se
         ):
             raise Unauthorized("a valid bearer token is required", headers=_CHALLENGE)
         return
-    if settings.auth_disabled or _is_loopback_client(request):
+    if settings.auth_disabled or _is_loopback_client(request, settings):
         return
     raise Unauthorized(
-        "no API token is configured, so only local clients are served; set HSX_API_TOKEN_FILE "
+        "no API token is configured, so only local clients are served (requests relayed by a proxy are not "
+        "local unless HSX_FORWARDED_ALLOW_IPS names it); set HSX_API_TOKEN_FILE "
         "(or HSX_AUTH_DISABLED=true on a trusted network)",
         headers=_CHALLENGE,
     )
@@ -75,9 +108,11 @@ def _bearer_credentials(header: str | None) -> str | None:
     return credentials
 
 
-def _is_loopback_client(request: Request) -> bool:
+def _is_loopback_client(request: Request, settings: Settings) -> bool:
     if request.client is None:  # a Unix socket or an in-process call: no address to vouch for
         return False
+    if not settings.forwarded_allow_ips and any(name in request.headers for name in _FORWARDING_HEADERS):
+        return False  # relayed by a proxy nobody said to trust: the real client is somewhere else
     try:
         address = ipaddress.ip_address(request.client.host)
     except ValueError:

@@ -1,12 +1,13 @@
-"""How much of the engine's prefill throughput survives the worker's capture pipeline.
+"""``hsx bench pipeline``: a whole job (API, queue, workers, synthetic engine) against its two limits,
+measured in the same run: the synthetic engine driven directly at the same concurrency, and an fsynced
+copy of the same bytes from the dump directory to the output directory (what a worker must move at least).
 
-Baseline: the same engine serving the same prompts with rids it does not capture (plain prefill). Measured:
-the worker's unit pipeline (chat template, prefill with capture, dump read, validation, shard build and
-write) over the same samples. Both run in this process against one engine, one after the other, and the
-script prints their ratio. Works against the reference engine (started here by default) or any engine
-that speaks hsx/contract.py (``--engine-url``, e.g. the patched SGLang on a GPU host).
+    hsx bench pipeline [--samples 160] [--tokens 1024] [--hidden-size 4096] [--num-layers 32]
+                       [--processes 2] [--concurrency 4] [--database-url URL]
 
-    python bench/pipeline.py [--samples 64] [--concurrency 4] [--engine-url URL]
+Each baseline is measured before and after the job and averaged (the disk here is noisy). The job's rate
+is its own: tokens over its started_at..finished_at. Prints a table, then one JSON line:
+``job_tok_s``, ``engine_tok_s``, ``copy_tok_s``, ``ratio`` (job / the smaller baseline).
 """
 
 from __future__ import annotations
@@ -14,116 +15,88 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hsx.jobs.repository import ClaimedUnit  # noqa: E402
-from hsx.local_stack import free_port, hsx_command, local_stack, wait_http  # noqa: E402
-from workers.dataset import iter_samples  # noqa: E402
-from workers.engine_client import EngineClient  # noqa: E402
-
-
-def encoded_samples(encoder: object, dataset: Path, n: int) -> list[list[int]]:
-    out: list[list[int]] = []
-    while len(out) < n:
-        for _, messages in iter_samples(dataset, 0, 10**9):
-            if isinstance(messages, list):
-                out.append(encoder.encode(messages).input_ids)  # type: ignore[attr-defined]
-            if len(out) == n:
-                break
-    return out
+from harness import (  # noqa: E402
+    drive_engine,
+    fsynced_copy_rate,
+    job_rate,
+    make_dumps,
+    mean,
+    private_stack,
+    read_prompts,
+    say,
+    table,
+    write_pretokenized,
+)
 
 
-def plain_prefill(client: EngineClient, prompts: list[list[int]], concurrency: int) -> float:
-    def one(ids: list[int]) -> None:
-        client.prefill(ids, f"plain-{uuid.uuid4().hex}")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hsx bench pipeline", description=__doc__)
+    parser.add_argument("--samples", type=int, default=160)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--hidden-size", type=int, default=4096)
+    parser.add_argument("--num-layers", type=int, default=32)
+    parser.add_argument("--processes", type=int, default=2, help="worker processes")
+    parser.add_argument("--concurrency", type=int, default=4, help="prefills in flight per worker process")
+    parser.add_argument("--samples-per-shard", type=int, default=16)
+    parser.add_argument("--baseline-samples", type=int, default=32)
+    parser.add_argument("--database-url")
+    args = parser.parse_args(argv)
+    in_flight = args.processes * args.concurrency
+    settings = {"HSX_ENGINE_CONCURRENCY": str(args.concurrency)}
+    with private_stack("pipeline", database_url=args.database_url, settings=settings) as stack:
+        dataset = stack.work / "bench.jsonl"
+        total = write_pretokenized(dataset, [args.tokens] * args.samples)
+        stack.start_engine_synthetic(args.hidden_size, args.num_layers)
+        stack.start_api()
+        stack.start_workers(args.processes)
+        prompts = read_prompts(dataset, args.baseline_samples)
+        dump_dir = stack.env["HSX_DUMP_DIR"]
+        out = Path(stack.env["HSX_OUTPUT_DIR"])
 
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(one, prompts))
-    return sum(map(len, prompts)) / (time.perf_counter() - start)
+        def baselines() -> tuple[float, float]:
+            engine = drive_engine(stack.engine_url, prompts, in_flight, dump_dir, captured=True)
+            dumps = make_dumps(stack.engine_url, dump_dir, prompts[: max(4, len(prompts) // 2)])
+            size = sum(p.stat().st_size for p in dumps)
+            tokens = len(dumps) * args.tokens
+            copy = fsynced_copy_rate(dumps, out.parent / "copy-baseline", args.processes) * tokens / size
+            for path in dumps:
+                for item in path.parent.iterdir():
+                    item.unlink()
+                path.parent.rmdir()
+            return engine, copy
 
-
-def run(engine_url: str, dataset: Path, samples: int, concurrency: int) -> dict[str, object]:
-    from transformers import AutoTokenizer
-
-    from workers.chat import ChatEncoder
-    from workers.unit_processor import UnitProcessor
-
-    client = EngineClient(engine_url)
-    info = client.info()
-    encoder = ChatEncoder(AutoTokenizer.from_pretrained(info.model_path), True, 4096)
-    prompts = encoded_samples(encoder, dataset, samples)
-    # One warm-up pass so neither side pays for first-call allocations.
-    plain_prefill(client, prompts[: min(4, len(prompts))], concurrency)
-    baseline = plain_prefill(client, prompts, concurrency)
-
-    work = Path(tempfile.mkdtemp(prefix="hsx-bench-"))
-    data = work / "bench.jsonl"
-    with data.open("w") as fh:
-        rows = [m for _, m in iter_samples(dataset, 0, 10**9) if isinstance(m, list)]
-        for i in range(samples):
-            fh.write(json.dumps({"messages": rows[i % len(rows)]}) + "\n")
-    processor = UnitProcessor(client, info, encoder, info.dump_dir, 30.0, concurrency, True)
-    unit = ClaimedUnit(0, str(uuid.uuid4()), 0, 0, samples, 1, "bench")
-    start = time.perf_counter()
-    result = processor.process(unit, str(data), "auto", lambda: False)
-    shard = result.builder.write(work / "shard-00000.safetensors")
-    elapsed = time.perf_counter() - start
-    pipeline = result.tokens / elapsed
-    return {
-        "engine": info.backend,
-        "samples": samples,
-        "tokens": result.tokens,
-        "rejected": len(result.rejections),
-        "concurrency": concurrency,
-        "plain_prefill_tok_s": round(baseline, 1),
-        "pipeline_tok_s": round(pipeline, 1),
-        "ratio_pipeline_vs_plain": round(pipeline / baseline, 3),
-        "shard_bytes": shard.bytes,
-    }
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--engine-url")
-    parser.add_argument("--dataset", type=Path, default=REPO / "data" / "sample_chats.jsonl")
-    parser.add_argument("--samples", type=int, default=48)
-    parser.add_argument("--concurrency", type=int, default=4)
-    args = parser.parse_args()
-    if args.engine_url:
-        print(json.dumps(run(args.engine_url, args.dataset, args.samples, args.concurrency), indent=2))
-        return 0
-    with local_stack(Path(tempfile.mkdtemp(prefix="hsx-bench-logs-"))) as stack:
-        port = free_port()
-        dumps = tempfile.mkdtemp(prefix="hsx-bench-dumps-")
-        proc = stack.start(
-            "engine",
-            hsx_command(
-                "engine",
-                "--backend",
-                "reference",
-                "--port",
-                str(port),
-                "--disable-prefix-cache",
-                "--dump-dir",
-                dumps,
-            ),
-        )
-        wait_http(f"http://127.0.0.1:{port}/health", 600, proc)
-        print(
-            json.dumps(
-                run(f"http://127.0.0.1:{port}", args.dataset, args.samples, args.concurrency), indent=2
-            )
-        )
+        drive_engine(stack.engine_url, prompts[:4], 4, dump_dir, captured=True)  # warm-up
+        engine_before, copy_before = baselines()
+        say(f"before: engine {engine_before:,.0f} tok/s, copy {copy_before:,.0f} tok/s; running the job")
+        job_id, submit_s = stack.submit(dataset, samples_per_shard=args.samples_per_shard)
+        doc = stack.wait(job_id, timeout=3600)
+        if doc["state"] != "succeeded":
+            raise SystemExit(f"job {doc['state']}: {doc.get('error')}")
+        job = job_rate(doc)
+        engine_after, copy_after = baselines()
+        engine, copy = mean([engine_before, engine_after]), mean([copy_before, copy_after])
+        result = {
+            "bench": "pipeline",
+            "samples": args.samples,
+            "tokens": total,
+            "hidden_size": args.hidden_size,
+            "processes": args.processes,
+            "in_flight": in_flight,
+            "submit_s": round(submit_s, 3),
+            "job_tok_s": round(job),
+            "engine_tok_s": round(engine),
+            "copy_tok_s": round(copy),
+            "engine_tok_s_before_after": [round(engine_before), round(engine_after)],
+            "copy_tok_s_before_after": [round(copy_before), round(copy_after)],
+            "samples_done": doc["progress"]["samples_done"],
+            "ratio": round(job / min(engine, copy), 3),
+        }
+    table([(key, str(value)) for key, value in result.items()])
+    print(json.dumps(result))
     return 0
 
 

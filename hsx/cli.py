@@ -5,12 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 from hsx.settings import get_settings
-
-FINAL_STATES = {"succeeded", "failed", "cancelled"}
 
 
 def _client_headers() -> dict[str, str]:
@@ -25,7 +22,25 @@ def _print(doc: Any) -> None:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run("app.main:app", host=args.host, port=args.port, log_level="info")
+    from app.security import serving_refusal
+    from hsx.logging_setup import configure_logging
+
+    settings = get_settings()
+    refusal = serving_refusal(args.host, settings)
+    if refusal:
+        print(f"hsx api: {refusal}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    trusted_proxies = settings.forwarded_allow_ips.strip()
+    uvicorn.run(
+        "app.main:app",
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        # Forwarded headers rewrite the client address; they count only from proxies named in the settings.
+        proxy_headers=bool(trusted_proxies),
+        forwarded_allow_ips=trusted_proxies or None,
+    )
     return 0
 
 
@@ -38,10 +53,42 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(get_settings(), burst=args.burst, reconcile=not args.no_reconciler)
 
 
+def _engine_parser(backends: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hsx engine",
+        add_help=False,
+        description="Run an engine that serves hidden-state capture: hsx engine [--backend NAME] [ARGS].",
+        epilog="Every other argument goes to the backend.",
+    )
+    parser.add_argument(
+        "--backend", choices=backends, default="reference", help="which engine to run (default: reference)"
+    )
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    return parser
+
+
+def _engine_help(parser: argparse.ArgumentParser, backend: str) -> int:
+    parser.print_help()
+    print()
+    if backend == "sglang":
+        print("SGLang's own arguments: python -m sglang.launch_server --help; the hsx flags: --hsx-help")
+        return 0
+    if backend == "synthetic":
+        from workers.engines.synthetic.cli import build_parser as backend_parser
+    else:
+        from workers.engines.reference.cli import build_parser as backend_parser
+    print(f"The {backend} backend's arguments:")
+    backend_help = backend_parser()
+    backend_help.prog = f"hsx engine --backend {backend}"
+    backend_help.print_help()
+    return 0
+
+
 def cmd_engine(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hsx engine", add_help=False)
-    parser.add_argument("--backend", choices=["reference", "sglang", "synthetic"], default="reference")
+    parser = _engine_parser(["reference", "sglang", "synthetic"])
     known, rest = parser.parse_known_args(argv)
+    if known.help:
+        return _engine_help(parser, known.backend)
     if known.backend == "synthetic":
         from workers.engines.synthetic.cli import main as synthetic_main
 
@@ -67,64 +114,97 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_for_job(api_url: str, job_id: str, timeout: float, quiet: bool = False) -> dict[str, Any]:
-    import httpx
+def _api(url: str) -> Any:
+    from hsx.cli_progress import Api
 
-    deadline = time.monotonic() + timeout
-    last = ""
-    while True:
-        doc: dict[str, Any] = httpx.get(
-            f"{api_url}/jobs/{job_id}", headers=_client_headers(), timeout=30
-        ).json()
-        p = doc.get("progress", {})
-        line = (
-            f"{doc.get('state')}: {p.get('samples_done')}/{p.get('samples_total')} done, "
-            f"{p.get('samples_rejected')} rejected"
-        )
-        if line != last and not quiet:
-            print(line, file=sys.stderr)
-            last = line
-        if doc.get("state") in FINAL_STATES or time.monotonic() > deadline:
-            return doc
-        time.sleep(0.5)
+    return Api(url, _client_headers())
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    import httpx
+    from hsx import cli_progress as ui
 
     options: dict[str, Any] = {
         "chat_template": not args.no_chat_template,
         "samples_per_shard": args.samples_per_shard,
     }
-    if args.max_length:
+    if args.max_length is not None:
         options["max_length"] = args.max_length
     if args.aux_layers:
         options["aux_layers"] = [int(x) for x in args.aux_layers.split(",")]
-    headers = _client_headers()
+    api = _api(args.api_url)
     if args.idempotency_key:
-        headers["Idempotency-Key"] = args.idempotency_key
-    resp = httpx.post(
-        f"{args.api_url}/jobs",
-        json={"dataset_uri": args.dataset, "options": options},
-        headers=headers,
-        timeout=120,
-    )
-    doc = resp.json()
-    if resp.status_code >= 400:
-        _print(doc)
-        return 2
-    if args.wait:
-        doc = wait_for_job(args.api_url, doc["id"], args.timeout)
-    _print(doc)
-    return 0 if not args.wait or doc.get("state") == "succeeded" else 1
+        api.headers["Idempotency-Key"] = args.idempotency_key
+    body = {"dataset_uri": ui.local_dataset_uri(args.dataset), "options": options}
+    try:
+        doc = api.call("POST", "/jobs", json=body, timeout=120)
+        if args.wait:
+            doc = ui.watch(api, doc["id"], args.timeout, args.interval, show=not args.json)
+    except ui.ApiError as exc:
+        return ui.print_error(exc, args.json)
+    _show_job(doc, args.json)
+    return ui.exit_code_for_state(doc.get("state"), waiting=True) if args.wait else ui.EXIT_SUCCEEDED
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from hsx import cli_progress as ui
+
+    try:
+        doc = ui.watch(_api(args.api_url), args.job_id, args.timeout, args.interval, show=not args.json)
+    except ui.ApiError as exc:
+        return ui.print_error(exc, args.json)
+    _show_job(doc, args.json)
+    return ui.exit_code_for_state(doc.get("state"), waiting=True)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import httpx
+    from hsx import cli_progress as ui
 
-    resp = httpx.get(f"{args.api_url}/jobs/{args.job_id}", headers=_client_headers(), timeout=30)
-    _print(resp.json())
-    return 0 if resp.status_code == 200 else 1
+    try:
+        doc = _api(args.api_url).call("GET", f"/jobs/{args.job_id}")
+    except ui.ApiError as exc:
+        return ui.print_error(exc, args.json)
+    _show_job(doc, args.json)
+    return ui.exit_code_for_state(doc.get("state"), waiting=False)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from hsx import cli_progress as ui
+
+    params: dict[str, Any] = {"limit": args.limit, "offset": args.offset}
+    if args.state:
+        params["state"] = args.state
+    try:
+        page = _api(args.api_url).call("GET", "/jobs", params=params)
+    except ui.ApiError as exc:
+        return ui.print_error(exc, args.json)
+    if args.json:
+        ui.print_json(page)
+    else:
+        from rich.console import Console
+
+        Console().print(ui.jobs_table(page))
+    return ui.EXIT_SUCCEEDED
+
+
+def _show_job(doc: dict[str, Any], as_json: bool) -> None:
+    from hsx import cli_progress as ui
+
+    if as_json:
+        ui.print_json(doc)
+    else:
+        from rich.console import Console
+
+        Console().print(ui.job_table(doc))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, not {value}")
+    return value
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -157,6 +237,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+BENCHES = ("pipeline", "e2e", "memory", "api", "scale")
+
+
+def cmd_bench(argv: list[str]) -> int:
+    """``hsx bench NAME [args]``: run ``bench/NAME.py`` of this checkout (benchmarks are not installed)."""
+    import runpy
+    from pathlib import Path
+
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: hsx bench {{{','.join(BENCHES)}}} [args]  (each takes --help)", file=sys.stderr)
+        return 2
+    script = Path(__file__).resolve().parents[1] / "bench" / f"{argv[0]}.py"
+    if not script.is_file():
+        print(f"hsx bench: {script} is missing (benchmarks run from a source checkout)", file=sys.stderr)
+        return 2
+    sys.argv = [f"hsx bench {argv[0]}", *argv[1:]]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        if isinstance(exc.code, int) or exc.code is None:
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from hsx.export.cli import run_export_command
 
@@ -184,29 +290,52 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_worker)
 
-    sub.add_parser("engine", help="run an engine: --backend reference|sglang [engine args]", add_help=False)
+    sub.add_parser(
+        "engine", help="run an engine: --backend reference|sglang|synthetic [engine args]", add_help=False
+    )
+    sub.add_parser("bench", help=f"run a benchmark: {', '.join(BENCHES)} (from a checkout)", add_help=False)
 
     p = sub.add_parser("db", help="database migrations")
     p.add_argument("action", choices=["upgrade", "downgrade"])
     p.add_argument("revision", nargs="?")
     p.set_defaults(func=cmd_db)
 
-    p = sub.add_parser("submit", help="submit a dataset")
+    json_help = "print the JSON document only (for scripts)"
+    p = sub.add_parser("submit", help="submit a dataset (a relative path is sent as an absolute one)")
     p.add_argument("dataset")
     p.add_argument("--api-url", default=settings.api_url)
-    p.add_argument("--wait", action="store_true")
+    p.add_argument("--wait", action="store_true", help="draw a progress bar until the job ends")
     p.add_argument("--timeout", type=float, default=24 * 3600)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between polls while waiting")
     p.add_argument("--no-chat-template", action="store_true")
-    p.add_argument("--max-length", type=int)
+    p.add_argument("--max-length", type=_positive_int, help="truncate samples to this many tokens (> 0)")
     p.add_argument("--aux-layers")
     p.add_argument("--samples-per-shard", type=int, default=64)
     p.add_argument("--idempotency-key")
+    p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("watch", help="draw a job's progress until it ends")
+    p.add_argument("job_id")
+    p.add_argument("--api-url", default=settings.api_url)
+    p.add_argument("--timeout", type=float, default=24 * 3600)
+    p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.set_defaults(func=cmd_watch)
 
     p = sub.add_parser("status", help="show a job")
     p.add_argument("job_id")
     p.add_argument("--api-url", default=settings.api_url)
+    p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("jobs", help="list jobs, newest first")
+    p.add_argument("--state", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--api-url", default=settings.api_url)
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.set_defaults(func=cmd_jobs)
 
     p = sub.add_parser("verify", help="prove the engine cannot hand out truncated states")
     p.add_argument("--engine-url")
@@ -238,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["engine"]:
         return cmd_engine(argv[1:])
+    if argv[:1] == ["bench"]:
+        return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -204,7 +204,12 @@ def _resolve_local(uri: str, is_uri: bool, settings: Settings, allow_folder: boo
     real = Path(os.path.realpath(path))
     # Containment before existence, so the answer says nothing about files outside the roots.
     if not any(real.is_relative_to(root) for root in roots):
-        raise ForbiddenUri("the dataset path is outside the dataset roots", error="path_outside_roots")
+        shown = ", ".join(str(root) for root in roots)
+        raise ForbiddenUri(
+            f"the dataset path is outside the dataset roots ({shown}); the API reads datasets only under "
+            "HSX_DATASET_ROOTS (a path or comma-separated paths, set where the API runs)",
+            error="path_outside_roots",
+        )
     try:
         info = os.stat(real)
     except FileNotFoundError as exc:

@@ -61,6 +61,11 @@ class PayloadTooLarge(HsxError):
     error = "payload_too_large"
 
 
+class UnsupportedMediaType(HsxError):
+    status_code = 415
+    error = "unsupported_media_type"
+
+
 class ServiceUnavailable(HsxError):
     status_code = 503
     error = "service_unavailable"

@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+import json
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 def _default_dump_dir() -> str:
     # Shared memory keeps per-request dumps off the disk where it exists (Linux); elsewhere a temp folder.
     return "/dev/shm/hsx-dumps" if os.path.isdir("/dev/shm") else str(Path.home() / ".hsx" / "dumps")
+
+
+class TokenConfigError(ValueError):
+    """A token is configured but unusable (empty): refusing beats silently serving without one."""
+
+
+def _list_from_env(value: Any) -> Any:
+    """A list setting from the environment: a JSON list, or one value, or comma-separated values."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        return json.loads(text)
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _is_broad_directory(path: Path) -> bool:
+    # "/" and top-level directories (/root, /etc, /tmp, /home) hold far more than datasets.
+    return len(path.parts) < 3
 
 
 class Settings(BaseSettings):
@@ -52,11 +73,17 @@ class Settings(BaseSettings):
     api_token_file: Path | None = None
     # With no token configured the API serves loopback clients only; this opens it to every client.
     auth_disabled: bool = False
+    # Trusted reverse proxies (uvicorn's forwarded_allow_ips: addresses or networks, comma-separated).
+    # Empty: X-Forwarded-For and Forwarded are ignored, and a request carrying them never counts as local.
+    forwarded_allow_ips: str = ""
     max_body_bytes: int = 1 << 20
-    allowed_uri_schemes: list[str] = ["file", "http", "https"]
-    dataset_roots: list[Path] = []  # empty: the current directory and data_dir
+    # List settings take a JSON list or comma-separated values (HSX_DATASET_ROOTS=/data/a,/data/b).
+    allowed_uri_schemes: Annotated[list[str], NoDecode] = ["file", "http", "https"]
+    # Empty: data_dir, plus the API's working directory unless that is "/" or a top-level directory.
+    dataset_roots: Annotated[list[Path], NoDecode] = []
     max_dataset_bytes: int = 10 << 30
-    allowed_buckets: list[str] = []  # s3:// buckets a dataset URI or an output URI may name
+    # s3:// buckets a dataset URI or an output URI may name
+    allowed_buckets: Annotated[list[str], NoDecode] = []
     http_timeout_seconds: float = 30.0  # connect and per-read timeout of one dataset download
     http_download_deadline_seconds: float = 1800.0  # whole download, so a trickling server cannot hold on
     max_sample_tokens: int = 131072
@@ -70,6 +97,15 @@ class Settings(BaseSettings):
 
     # Trainer-format exports made through the API: one folder per export, with its status file beside it.
     exports_dir: Path = Path("")  # empty: data_dir / "exports"
+
+    # Logs: "json" (one object a line) or "text" (key=value); both carry job, unit, attempt and rid.
+    log_format: Literal["json", "text"] = "text"
+    log_level: str = "INFO"
+
+    @field_validator("allowed_uri_schemes", "dataset_roots", "allowed_buckets", mode="before")
+    @classmethod
+    def _lists_from_env(cls, value: Any) -> Any:
+        return _list_from_env(value)
 
     @property
     def resolved_database_url(self) -> str:
@@ -101,14 +137,27 @@ class Settings(BaseSettings):
 
     @property
     def resolved_dataset_roots(self) -> list[Path]:
-        roots = self.dataset_roots or [Path.cwd(), self.data_dir]
-        return [root.resolve() for root in roots]
+        if self.dataset_roots:
+            return [root.resolve() for root in self.dataset_roots]
+        roots = [self.data_dir.resolve()]
+        cwd = Path.cwd().resolve()
+        if not _is_broad_directory(cwd):
+            roots.insert(0, cwd)
+        return roots
 
     def token(self) -> str | None:
+        """The API token, None when none is configured. Raises :class:`TokenConfigError` for an empty one
+        and ``OSError`` for a token file that cannot be read."""
         if self.api_token is not None:
-            return self.api_token.get_secret_value()
+            token = self.api_token.get_secret_value()
+            if not token.strip():
+                raise TokenConfigError("HSX_API_TOKEN is set but empty; give it a value or unset it")
+            return token
         if self.api_token_file is not None:
-            return self.api_token_file.read_text(encoding="utf-8").strip()
+            token = self.api_token_file.read_text(encoding="utf-8").strip()
+            if not token:
+                raise TokenConfigError(f"the API token file {self.api_token_file} is empty")
+            return token
         return None
 
 

@@ -10,7 +10,7 @@ import pytest
 from workers import dataset
 from workers.chat import (
     NO_ASSISTANT_TOKENS,
-    TEMPLATE_NOT_PREFIX_STABLE,
+    TEMPLATE_NOT_SEPARABLE,
     ChatEncoder,
     EncodeError,
     chat_template_sha256,
@@ -22,12 +22,14 @@ SAMPLE_CHATS = Path(__file__).resolve().parent.parent / "data" / "sample_chats.j
 
 # Not prefix-stable: the first thing rendered depends on how many messages there are.
 COUNTING_TEMPLATE = (
-    "{{ messages|length }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+    "{{ messages|length }}{% for m in messages %}<{{ m.role }}>{{ m.content }}<|im_end|>{% endfor %}"
 )
-# Trims contents, and has no generation prompt, so assistant spans must be found by searching.
+# Trims contents, and has no generation prompt, so the header is not known from the template.
 TRIMMING_TEMPLATE = (
     "{% for m in messages %}### {{ m.role }}:\n{{ m.content | trim }}\n<|im_end|>\n{% endfor %}"
 )
+# Renders the conversation backwards: no order of turns to train in.
+REVERSED_TEMPLATE = "{% for m in messages | reverse %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
 
 
 def _messages(*turns: tuple[str, str]) -> list[dict[str, str]]:
@@ -137,11 +139,34 @@ def test_conversation_without_assistant_is_rejected(tokenizer: Any) -> None:
     assert caught.value.reason == NO_ASSISTANT_TOKENS
 
 
-def test_template_that_is_not_prefix_stable_is_refused(tokenizer: Any) -> None:
-    encoder = ChatEncoder(_with_template(tokenizer, COUNTING_TEMPLATE))
+def test_template_that_is_not_prefix_stable_gets_an_exact_mask(tokenizer: Any) -> None:
+    variant = _with_template(tokenizer, COUNTING_TEMPLATE)
+    messages = _messages(("user", "Hi"), ("assistant", "Hello"), ("user", "More"), ("assistant", "Sure"))
+    encoded = ChatEncoder(variant).encode(messages)
+    text = "4<user>Hi<|im_end|><assistant>Hello<|im_end|><user>More<|im_end|><assistant>Sure<|im_end|>"
+    assert variant.decode(encoded.input_ids) == text
+    assert _masked_runs(variant, encoded.input_ids, encoded.loss_mask) == [
+        "Hello<|im_end|>",
+        "Sure<|im_end|>",
+    ]
+
+
+def test_template_that_reorders_turns_is_refused(tokenizer: Any) -> None:
+    encoder = ChatEncoder(_with_template(tokenizer, REVERSED_TEMPLATE))
     with pytest.raises(EncodeError) as caught:
         encoder.encode(_messages(("user", "Hi"), ("assistant", "Hello")))
-    assert caught.value.reason == TEMPLATE_NOT_PREFIX_STABLE
+    assert caught.value.reason == TEMPLATE_NOT_SEPARABLE
+
+
+@pytest.mark.parametrize("answer", ["im", "end", "_end|", ">", "<|im_end|>", "assistant"])
+def test_short_answers_are_located_where_the_template_put_them(tokenizer: Any, answer: str) -> None:
+    # The contents also occur inside the end marker or the header; only where the template put them counts.
+    variant = _with_template(tokenizer, TRIMMING_TEMPLATE.replace(" | trim", ""))
+    messages = _messages(("user", "Say it."), ("assistant", answer), ("user", "Again."))
+    messages.append({"role": "assistant", "content": answer})
+    encoded = ChatEncoder(variant).encode(messages)
+    runs = _masked_runs(variant, encoded.input_ids, encoded.loss_mask)
+    assert runs == [answer + "\n<|im_end|>\n"] * 2
 
 
 def test_trimming_template_without_generation_prompt_is_located_by_search(tokenizer: Any) -> None:

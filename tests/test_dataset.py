@@ -243,3 +243,99 @@ def test_validation_accepts_a_file_whose_first_records_are_partly_broken() -> No
     summary = dataset.validate_dataset_file(BAD_CHATS, max_bytes=1 << 20)
     assert summary.samples == len(BAD_CHATS_EXPECTED)
     assert summary.format_guess == "messages"
+
+
+def test_openai_shapes_are_read() -> None:
+    record = {
+        "messages": [
+            {"role": "developer", "content": "Be exact."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Weather "}, {"type": "text", "text": "in Oslo?"}],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+                    },
+                    {"type": "function", "function": {"name": "clock", "arguments": "not json"}},
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "name": "weather", "content": "-3"},
+            {"role": "assistant", "content": "It is -3 C.", "reasoning_content": "Read the tool."},
+        ]
+    }
+    assert dataset.normalize_record(record) == [
+        {"role": "system", "content": "Be exact."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": {"city": "Oslo"}},
+                    "id": "c1",
+                },
+                {"type": "function", "function": {"name": "clock", "arguments": "not json"}},
+            ],
+        },
+        {"role": "tool", "content": "-3", "name": "weather", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "It is -3 C.", "reasoning_content": "Read the tool."},
+    ]
+
+
+def test_legacy_function_call_and_sharegpt_tool_roles_are_read() -> None:
+    legacy = {
+        "messages": [
+            {"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": None, "function_call": {"name": "clock", "arguments": "{}"}},
+        ]
+    }
+    [_, call] = dataset.normalize_record(legacy)  # type: ignore[misc]
+    assert call["tool_calls"] == [{"type": "function", "function": {"name": "clock", "arguments": {}}}]
+    sharegpt = {
+        "conversations": [
+            {"from": "human", "value": "Time?"},
+            {"from": "function_call", "value": '{"name": "clock"}'},
+            {"from": "observation", "value": "09:00"},
+            {"from": "gpt", "value": "It is nine."},
+        ]
+    }
+    roles = [m["role"] for m in dataset.normalize_record(sharegpt)]  # type: ignore[union-attr]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+
+
+@pytest.mark.parametrize(
+    ("turn", "reason"),
+    [
+        ({"role": "assistant", "content": None}, dataset.NON_STRING_CONTENT),
+        ({"role": "assistant", "content": None, "tool_calls": []}, dataset.NON_STRING_CONTENT),
+        (
+            {"role": "assistant", "content": [{"type": "image_url", "image_url": {}}]},
+            dataset.UNSUPPORTED_CONTENT_PART,
+        ),
+        ({"role": "assistant", "content": [{"type": "text"}]}, dataset.NON_STRING_CONTENT),
+        ({"role": "assistant", "content": [7]}, dataset.UNSUPPORTED_CONTENT_PART),
+        ({"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}, dataset.INVALID_TOOL_CALL),
+        ({"role": "assistant", "content": "", "tool_calls": "call"}, dataset.INVALID_TOOL_CALL),
+        (
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]},
+            dataset.INVALID_TOOL_CALL,
+        ),
+        (
+            {"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]},
+            dataset.INVALID_TOOL_CALL,
+        ),
+        ({"role": "function", "content": "x"}, dataset.UNKNOWN_ROLE),
+    ],
+)
+def test_what_stays_invalid_keeps_a_stable_reason(turn: dict[str, object], reason: str) -> None:
+    result = dataset.normalize_record({"messages": [{"role": "user", "content": "q"}, turn]})
+    assert isinstance(result, SampleError), result
+    assert result.reason == reason
+    assert result.detail.startswith("turn 1")

@@ -55,10 +55,10 @@ def test_job_runs_end_to_end(stack: Stack) -> None:
         assert np.isfinite(s.hidden_state).all()
     assert sum(len(s.input_ids) for s in samples) == progress["tokens"]
     shards = stack.client.get(f"/jobs/{job['id']}/shards").json()
-    assert shards["total"] == len(doc["shards"]) == -(-total // 4)
+    assert shards["total"] == doc["shards"]["total"] == len(shards["items"]) == -(-total // 4)
     manifest = json.loads(Path(doc["manifest"]).read_text())
     assert manifest["counts"]["samples"] == progress["samples_done"]
-    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in doc["shards"]]
+    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in shards["items"]]
 
 
 def test_bad_records_are_rejected_with_reasons(stack: Stack) -> None:
@@ -143,7 +143,7 @@ def test_preflight_refuses_a_prefix_caching_engine(
     doc = s.wait(job["id"], timeout=30)
     assert doc["state"] == "failed"
     assert "preflight" in doc["error"] and "cached_tokens" in doc["error"], doc["error"]
-    assert doc["progress"]["samples_done"] == 0 and doc["shards"] == []
+    assert doc["progress"]["samples_done"] == 0 and doc["shards"]["total"] == 0
     verify = s.client.post("/verify")
     assert verify.status_code == 503 and not verify.json()["ok"]
     assert any("cached_tokens" in c["name"] and not c["ok"] for c in verify.json()["checks"])

@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,10 +19,11 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, SecretStr
 
-from app.security import BodySizeLimitMiddleware, require_token
+from app.security import BodySizeLimitMiddleware, require_token, serving_refusal
 from hsx.errors import HsxError
 from hsx.settings import Settings, get_settings
 from tests.fixtures.live_server import serve_in_thread
+from tests.fixtures.stack import REPO
 
 TOKEN = "s3cret-token-\u00e9"  # non-ASCII on purpose: compared as bytes
 LIMIT = 1024
@@ -205,3 +210,120 @@ def test_non_numeric_content_length_is_400() -> None:
     response = asyncio.run(send())
     assert response.status_code == 400
     assert calls == []
+
+
+# Serving defaults: what `hsx api` refuses at start, empty tokens, forwarded headers
+
+
+def _hsx_api(env_overrides: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
+    env.update(env_overrides)
+    return subprocess.run(
+        [sys.executable, "-m", "hsx.cli", "api", "--port", "9", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_api_refuses_a_network_address_without_a_token(tmp_path: Path) -> None:
+    done = _hsx_api({}, "--host", "0.0.0.0")
+    assert done.returncode == 2
+    assert "refusing to serve on 0.0.0.0 without an API token" in done.stderr
+    assert "HSX_API_TOKEN_FILE" in done.stderr and "Traceback" not in done.stderr
+
+    empty = tmp_path / "token"
+    empty.write_text("\n", encoding="utf-8")
+    for overrides in ({"HSX_API_TOKEN": ""}, {"HSX_API_TOKEN_FILE": str(empty)}):
+        done = _hsx_api(overrides)  # on loopback too: an empty token is a mistake, not "no token"
+        assert done.returncode == 2, done.stderr
+        assert "empty" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("host", "settings", "refused"),
+    [
+        ("127.0.0.1", {}, False),
+        ("::1", {}, False),
+        ("localhost", {}, False),
+        ("0.0.0.0", {}, True),
+        ("::", {}, True),
+        ("10.1.2.3", {}, True),
+        ("api.example", {}, True),
+        ("0.0.0.0", {"api_token": SecretStr("t")}, False),
+        ("0.0.0.0", {"auth_disabled": True}, False),
+        ("127.0.0.1", {"api_token": SecretStr(" ")}, True),
+    ],
+)
+def test_serving_refusal(host: str, settings: dict[str, object], refused: bool) -> None:
+    assert (serving_refusal(host, Settings(**settings)) is not None) == refused  # type: ignore[arg-type]
+
+
+def test_an_empty_token_fails_closed(serve: Callable[[FastAPI], str], tmp_path: Path) -> None:
+    empty = tmp_path / "token"
+    empty.write_text("", encoding="utf-8")
+    for settings in (Settings(api_token=SecretStr("")), Settings(api_token_file=empty)):
+        base = serve(build_app(settings)[0])
+        response = httpx.post(f"{base}/raw", content=b"")
+        assert (response.status_code, response.json()["error"]) == (503, "auth_unavailable")
+
+
+def test_forwarded_requests_are_not_local_unless_proxies_are_trusted(serve: Callable[[FastAPI], str]) -> None:
+    # This uvicorn rewrites the client address from X-Forwarded-For sent by 127.0.0.1, as a proxied
+    # deployment would: without trusted proxies configured, the app must not take such a request as local.
+    base = serve(build_app(Settings())[0])
+    assert httpx.post(f"{base}/raw", content=b"").status_code == 200
+    for header in (
+        {"X-Forwarded-For": "127.0.0.1"},
+        {"Forwarded": "for=127.0.0.1"},
+        {"X-Real-IP": "127.0.0.1"},
+    ):
+        response = httpx.post(f"{base}/raw", content=b"", headers=header)
+        assert response.status_code == 401, header
+        assert "HSX_FORWARDED_ALLOW_IPS" in response.json()["detail"]
+
+    trusting = serve(build_app(Settings(forwarded_allow_ips="127.0.0.1"))[0])
+    assert (
+        httpx.post(f"{trusting}/raw", content=b"", headers={"X-Forwarded-For": "127.0.0.1"}).status_code
+        == 200
+    )
+    assert (
+        httpx.post(f"{trusting}/raw", content=b"", headers={"X-Forwarded-For": "203.0.113.9"}).status_code
+        == 401
+    )
+
+
+def test_hsx_api_ignores_forwarded_headers_by_default(tmp_path: Path) -> None:
+    from hsx.local_stack import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
+    env["HSX_DATABASE_URL"] = f"sqlite:///{tmp_path / 'unmigrated.sqlite3'}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hsx.cli", "api", "--port", str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "hsx api did not start"
+            time.sleep(0.2)
+        # Loopback and no token: served (the unmigrated database then answers in the error shape).
+        local = httpx.get(f"{base}/jobs")
+        assert (local.status_code, local.json()["error"]) == (500, "database_error")
+        relayed = httpx.get(f"{base}/jobs", headers={"X-Forwarded-For": "127.0.0.1"})
+        assert relayed.status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -1,14 +1,14 @@
 """Turn a normalized conversation into token ids and a loss mask over the assistant's tokens.
 
-With the chat template, the text is rendered once and tokenized once (with character offsets); assistant
-spans are located by rendering growing prefixes of the conversation. That only works when the template is
-prefix-stable (rendering ``messages[:i]`` yields a string prefix of rendering all messages); templates that
-rewrite earlier turns later (dropping reasoning from old turns, say) are refused per sample rather than
-silently mis-masked.
+With the chat template, the conversation is rendered once and tokenized once (with character offsets). The
+assistant spans inside that text are found by :mod:`workers.turn_spans`, which does not need the template
+to render a turn the same way whatever follows it (Qwen3, GPT-OSS and others do not) and explains why the
+spans are exact. A trained token is one whose character span overlaps an assistant span: from the end of the
+turn's header (what the generation prompt supplies) through its end-of-turn marker and whatever the template
+emits after that marker for the turn (ChatML's newline, say).
 
-A trained token is one whose character span overlaps an assistant turn from the first character of its
-content through the end of that turn's rendering, so the end-of-turn marker (and whatever the template
-emits after it for that turn) is trained, while the role header before the content is not.
+Without a template, the contents are joined with newlines and each assistant content (with its tool calls
+written as JSON) is trained.
 
 Special tokens are never added on top of the rendered text (``add_special_tokens=False``): the template is
 responsible for them, and without a template the raw text is used as is.
@@ -26,22 +26,33 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from workers.dataset import ChatMessage
+from workers.turn_spans import (
+    ASSISTANT_CONTENT_NOT_FOUND,
+    TEMPLATE_FAILED,
+    TEMPLATE_NOT_SEPARABLE,
+    EncodeError,
+    Message,
+    Span,
+    TokenView,
+    TurnLocator,
+)
+
+__all__ = [
+    "ASSISTANT_CONTENT_NOT_FOUND",
+    "EMPTY_SAMPLE",
+    "NO_ASSISTANT_TOKENS",
+    "TEMPLATE_FAILED",
+    "TEMPLATE_NOT_SEPARABLE",
+    "ChatEncoder",
+    "EncodeError",
+    "EncodedSample",
+    "chat_template_sha256",
+    "tokenizer_identity",
+]
 
 # Per-sample rejection reasons (stored with the rejected sample, next to the dataset's reasons).
-TEMPLATE_NOT_PREFIX_STABLE = "template_not_prefix_stable"
-TEMPLATE_FAILED = "template_failed"
-ASSISTANT_CONTENT_NOT_FOUND = "assistant_content_not_found"
 EMPTY_SAMPLE = "empty_sample"
 NO_ASSISTANT_TOKENS = "no_assistant_tokens"
-
-
-class EncodeError(Exception):
-    """One sample cannot be encoded; ``reason`` is a stable code, ``detail`` says what was seen."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -49,9 +60,6 @@ class EncodedSample:
     input_ids: list[int]
     loss_mask: list[int]
     truncated: bool
-
-
-Span = tuple[int, int]
 
 
 def _overlaps(token: Span, span: Span) -> bool:
@@ -62,13 +70,23 @@ def _overlaps(token: Span, span: Span) -> bool:
     return token_start < end and token_end > start
 
 
+def _special_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids = {int(token_id) for token_id in tokenizer.all_special_ids}
+    for token_id, token in tokenizer.added_tokens_decoder.items():
+        if getattr(token, "special", False):
+            ids.add(int(token_id))
+    return frozenset(ids)
+
+
 class ChatEncoder:
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
         use_chat_template: bool = True,
         max_length: int | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
+        """``template_kwargs`` go to the template as variables (``enable_thinking=False`` for Qwen3, say)."""
         if not tokenizer.is_fast:
             raise ValueError("ChatEncoder needs a fast tokenizer: it relies on character offsets")
         if use_chat_template and not tokenizer.chat_template:
@@ -78,15 +96,20 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.use_chat_template = use_chat_template
         self.max_length = max_length
+        self.template_kwargs = dict(template_kwargs or {})
+        self._special_ids = _special_token_ids(tokenizer)
 
-    def encode(self, messages: Sequence[ChatMessage] | Sequence[Mapping[str, str]]) -> EncodedSample:
+    def encode(self, messages: Sequence[ChatMessage] | Sequence[Mapping[str, Any]]) -> EncodedSample:
         """Token ids and loss mask of one conversation; raises :class:`EncodeError` for an unusable one."""
-        conversation = [{"role": m["role"], "content": m["content"]} for m in messages]
+        conversation: list[Message] = [json.loads(json.dumps(dict(m))) for m in messages]
         if self.use_chat_template:
-            text, spans = self._template_spans(conversation)
+            text = self._render(conversation, False)
+            input_ids, tokens = self._tokenize(text)
+            spans = TurnLocator(self._render, conversation, text, tokens).assistant_spans() if text else []
         else:
             text, spans = self._plain_spans(conversation)
-        input_ids, loss_mask = self._tokenize(text, spans)
+            input_ids, tokens = self._tokenize(text)
+        loss_mask = self._mask(tokens.offsets, spans)
         truncated = False
         if self.max_length is not None and len(input_ids) > self.max_length:
             input_ids, loss_mask = input_ids[: self.max_length], loss_mask[: self.max_length]
@@ -100,10 +123,13 @@ class ChatEncoder:
 
     # --- rendering ---------------------------------------------------------------------------------
 
-    def _render(self, conversation: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    def _render(self, conversation: list[Message], add_generation_prompt: bool = False) -> str:
         try:
             rendered = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs,
             )
         except Exception as exc:  # templates raise anything (jinja errors, raise_exception(...))
             raise EncodeError(TEMPLATE_FAILED, f"{type(exc).__name__}: {exc}"[:300]) from exc
@@ -111,64 +137,8 @@ class ChatEncoder:
             raise EncodeError(TEMPLATE_FAILED, f"the template returned {type(rendered).__name__}, not str")
         return rendered
 
-    def _template_spans(self, conversation: list[dict[str, str]]) -> tuple[str, list[Span]]:
-        full = self._render(conversation)
-        spans: list[Span] = []
-        for i, message in enumerate(conversation):
-            if message["role"] != "assistant":
-                continue
-            # An empty conversation cannot be rendered; before the first turn lies the empty string.
-            before = self._render(conversation[:i]) if i else ""
-            through = self._render(conversation[: i + 1])
-            for label, prefix in ((f"messages[:{i}]", before), (f"messages[:{i + 1}]", through)):
-                if not full.startswith(prefix):
-                    raise EncodeError(
-                        TEMPLATE_NOT_PREFIX_STABLE, f"rendering {label} is not a prefix of the whole"
-                    )
-            turn_start, turn_end = len(before), len(through)
-            content_start = self._content_start(conversation, i, full, turn_start, turn_end)
-            spans.append((content_start, turn_end))
-        return full, spans
-
-    def _content_start(
-        self, conversation: list[dict[str, str]], i: int, full: str, turn_start: int, turn_end: int
-    ) -> int:
-        content = conversation[i]["content"]
-        # Preferred: the generation prompt is exactly the role header, so the content begins where it ends.
-        if i:
-            try:
-                header = self._render(conversation[:i], add_generation_prompt=True)
-            except EncodeError:
-                header = ""
-            if (
-                header
-                and full.startswith(header)
-                and turn_start <= len(header) <= turn_end
-                and full.startswith(content, len(header))
-            ):
-                return len(header)
-        # Otherwise the content is the last occurrence inside the turn (the header precedes it, only the
-        # end-of-turn marker follows); templates that trim the content are matched on the trimmed text.
-        for needle in (content, content.strip()):
-            if needle:
-                found = full.rfind(needle, turn_start, turn_end)
-                if found >= 0:
-                    return found
-        if not content.strip():
-            return self._empty_content_start(full, turn_start, turn_end)
-        raise EncodeError(ASSISTANT_CONTENT_NOT_FOUND, f"assistant turn {i} content is not in its rendering")
-
-    def _empty_content_start(self, full: str, turn_start: int, turn_end: int) -> int:
-        # Nothing to find: train the turn's closing marker only, taken as the eos token when present.
-        eos = self.tokenizer.eos_token
-        if isinstance(eos, str) and eos:
-            found = full.rfind(eos, turn_start, turn_end)
-            if found >= 0:
-                return found
-        return turn_end
-
     @staticmethod
-    def _plain_spans(conversation: list[dict[str, str]]) -> tuple[str, list[Span]]:
+    def _plain_spans(conversation: list[Message]) -> tuple[str, list[Span]]:
         pieces: list[str] = []
         spans: list[Span] = []
         cursor = 0
@@ -176,20 +146,27 @@ class ChatEncoder:
             if i:
                 pieces.append("\n")
                 cursor += 1
-            content = message["content"]
+            text = str(message.get("content") or "")
             if message["role"] == "assistant":
-                spans.append((cursor, cursor + len(content)))
-            pieces.append(content)
-            cursor += len(content)
+                calls = [json.dumps(call.get("function", call)) for call in message.get("tool_calls") or []]
+                text = "\n".join(part for part in (text, *calls) if part)
+                spans.append((cursor, cursor + len(text)))
+            pieces.append(text)
+            cursor += len(text)
         return "".join(pieces), spans
 
-    def _tokenize(self, text: str, spans: list[Span]) -> tuple[list[int], list[int]]:
+    def _tokenize(self, text: str) -> tuple[list[int], TokenView]:
         if not text:
-            return [], []
+            return [], TokenView(offsets=[], special=[])
         encoding = self.tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
         input_ids = [int(token) for token in encoding["input_ids"]]
         offsets: list[Span] = [(int(s), int(e)) for s, e in encoding["offset_mapping"]]
-        loss_mask = [0] * len(input_ids)
+        special = [token in self._special_ids for token in input_ids]
+        return input_ids, TokenView(offsets=offsets, special=special)
+
+    @staticmethod
+    def _mask(offsets: Sequence[Span], spans: list[Span]) -> list[int]:
+        loss_mask = [0] * len(offsets)
         # Tokens and spans are both sorted by position, so one forward sweep assigns every token: a span
         # that ends at or before a token's start cannot touch it or any later token.
         span_index = 0
@@ -198,7 +175,7 @@ class ChatEncoder:
                 span_index += 1
             if span_index < len(spans) and _overlaps(token, spans[span_index]):
                 loss_mask[position] = 1
-        return input_ids, loss_mask
+        return loss_mask
 
 
 # --- identities recorded in the manifest ---------------------------------------------------------------

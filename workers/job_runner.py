@@ -21,6 +21,7 @@ from typing import Any
 
 from sqlalchemy.exc import OperationalError
 
+from hsx import telemetry
 from hsx.contract import EngineInfo, eagle3_aux_layer_ids
 from hsx.db.models import Job, JobState
 from hsx.db.session import session_scope
@@ -29,6 +30,7 @@ from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
 from hsx.jobs.queue import enqueue_wakeups, queued_wakeups
 from hsx.jobs.repository import ClaimedUnit, ShardRow
+from hsx.logging_setup import log_context
 from hsx.settings import Settings
 from workers.dataset import DatasetError
 from workers.engine_client import EngineClient, EngineUnavailable
@@ -57,6 +59,10 @@ def shard_path(output_dir: str, unit_index: int) -> Path:
 
 def staged_path(output_dir: str, unit_index: int, attempt: int) -> Path:
     return Path(output_dir) / f".shard-{unit_index:05d}.a{attempt}.staged"
+
+
+class TokenizerMissing(Exception):
+    """Chat records arrived and the engine's model path (or HSX_TOKENIZER_PATH) holds no tokenizer."""
 
 
 @dataclass
@@ -229,12 +235,17 @@ class JobRunner:
         from workers.chat import chat_template_sha256, tokenizer_identity
         from workers.shards import canonical_state_dtype
 
-        tokenizer = self._tokenizer(info)
         record = info.to_dict()
+        record["state_dtype"] = canonical_state_dtype(info.dtype)
+        try:
+            tokenizer = self._tokenizer(info)
+        except (OSError, ValueError) as exc:
+            # Pre-tokenized data needs none; a chat record then fails the job saying so (_TokenizerMissing).
+            record.update(tokenizer={"error": f"no tokenizer at {info.model_path!r}: {exc}"[:500]})
+            record.update(chat_template_sha256="")
+            return record
         record.update(
-            tokenizer=tokenizer_identity(tokenizer),
-            chat_template_sha256=chat_template_sha256(tokenizer),
-            state_dtype=canonical_state_dtype(info.dtype),
+            tokenizer=tokenizer_identity(tokenizer), chat_template_sha256=chat_template_sha256(tokenizer)
         )
         return record
 
@@ -289,7 +300,9 @@ class JobRunner:
                 return Outcome(f"{done_here} unit(s); no unit left to claim", not finished)
             crash_point("after_claim")
             self._wake_more()
-            outcome = self._run_unit(unit, job, processor)
+            with log_context(job_id=unit.job_id, unit=unit.unit_index, attempt=unit.attempt):
+                outcome = self._run_unit(unit, job, processor)
+            telemetry.flush()  # a looping horse's numbers show up unit by unit, not when it exits
             done_here += 1
             log.info("job %s: %s", self.job_id, outcome.summary)
             if not outcome.more_work:
@@ -322,9 +335,15 @@ class JobRunner:
         def encoder() -> Any:
             from workers.chat import ChatEncoder
 
-            return ChatEncoder(
-                self._tokenizer(info), bool(options.get("chat_template", True)), options.get("max_length")
-            )
+            try:
+                tokenizer = self._tokenizer(info)
+            except (OSError, ValueError) as exc:
+                path = self.settings.tokenizer_path or info.model_path
+                raise TokenizerMissing(
+                    f"chat records need a tokenizer, and none loads from {path!r} (set HSX_TOKENIZER_PATH, "
+                    f"or send pre-tokenized records): {exc}"
+                ) from exc
+            return ChatEncoder(tokenizer, bool(options.get("chat_template", True)), options.get("max_length"))
 
         return UnitProcessor(
             self.client,
@@ -361,19 +380,28 @@ class JobRunner:
                 committed = self._commit(unit, result, job.output_dir)
         except UnitAborted as exc:
             self._release(unit)
+            telemetry.unit_finished("released")
             return Outcome(f"unit {unit.unit_index} released: {exc}", False)
         except EngineUnavailable as exc:
             self._release(unit)
+            telemetry.engine_error("unavailable")
+            telemetry.unit_finished("failed")
             self._fail(f"engine unavailable after {self.settings.engine_retries} retries: {exc}")
             return Outcome("engine unavailable", False)
         except ShardWriteError as exc:
             self._release(unit)
+            telemetry.unit_finished("failed")
             self._fail(f"could not write shard for unit {unit.unit_index}: {exc}")
             return Outcome("shard write failed", False)
         except DatasetError as exc:
             self._release(unit)
             self._fail(f"dataset {exc.reason}: {exc.detail}")
             return Outcome("dataset unreadable", False)
+        except TokenizerMissing as exc:
+            self._release(unit)
+            self._fail(str(exc))
+            return Outcome("no tokenizer", False)
+        telemetry.unit_finished("committed" if committed else "lease_lost")
         if not committed:
             return Outcome(f"unit {unit.unit_index} lease lost; nothing committed", True)
         return Outcome(
@@ -393,6 +421,7 @@ class JobRunner:
         staged = staged_path(output_dir, unit.unit_index, unit.attempt)
         shard: ShardRow | None = None
         if result.shard is not None:
+            telemetry.bytes_written(result.shard.bytes)
             crash_point("after_shard_staged")
             info = result.shard
             shard = ShardRow(

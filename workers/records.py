@@ -77,13 +77,18 @@ def local_records(dataset_path: str, work_dir: Path) -> str:
     records = _load_array(dataset_path)  # once per job, in a worker
     work_dir.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for record in records:
-            fh.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")))
-            fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for record in records:
+                # ASCII escapes: a record may hold lone surrogates, which are valid JSON but not UTF-8.
+                fh.write(json.dumps(record, separators=(",", ":")))
+                fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return str(target)
 
 

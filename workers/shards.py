@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from hsx.safetensors_io import TensorSpec, encode_header
 from workers.faults import crash_point
-from workers.validation import NON_FINITE, SampleRejected
+from workers.validation import LAYERS_MISMATCH, NON_FINITE, TOKEN_COUNT, SampleRejected
 
 # Accepted spellings of the state dtype, mapped to the safetensors name the shard uses.
 STATE_DTYPES = {
@@ -151,6 +151,16 @@ class ShardStream:
             raise ValueError(f"shard {self.path.name} is full ({self.capacity} samples)")
         tokens = len(input_ids)
         position = self.samples
+        missing = [name for name in self.dump_tensors if name not in specs]
+        if missing:
+            raise SampleRejected(LAYERS_MISMATCH, f"the dump lacks {missing}")
+        if len(loss_mask) != tokens:
+            raise SampleRejected(TOKEN_COUNT, f"loss_mask has {len(loss_mask)} entries for {tokens} tokens")
+        for name in self.dump_tensors:
+            if not specs[name].shape or specs[name].shape[0] != tokens:
+                raise SampleRejected(
+                    TOKEN_COUNT, f"{name} has shape {list(specs[name].shape)} for {tokens} tokens"
+                )
         mark = (self._data_bytes, self._digest.copy(), len(self._entries))
         try:
             for name in self.dump_tensors:
@@ -168,8 +178,9 @@ class ShardStream:
             raise
         except OSError as exc:
             raise ShardWriteError(self.path, exc.errno, exc.strerror or str(exc)) from exc
-        self._ids.append(np.asarray(input_ids, dtype="<i4"))
-        self._masks.append(np.asarray(loss_mask, dtype="u1"))
+        # Copies: the caller may reuse its buffers before finish().
+        self._ids.append(np.array(input_ids, dtype="<i4", copy=True))
+        self._masks.append(np.array(loss_mask, dtype="u1", copy=True))
         self._indices.append(sample_index)
         self._tokens += tokens
         return self._data_bytes - mark[0]

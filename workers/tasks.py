@@ -21,8 +21,13 @@ def run_next_unit(job_id: str) -> str:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(STOP_SIGNAL, lambda *_: SHUTDOWN.set())
+    from hsx import telemetry
+
     settings = get_settings()
-    outcome = JobRunner(job_id, settings).run()
+    try:
+        outcome = JobRunner(job_id, settings).run()
+    finally:
+        telemetry.flush()  # a work horse leaves with os._exit, which skips atexit
     if outcome.more_work:
         from hsx.jobs.queue import enqueue_wakeups
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hsx import telemetry
 from hsx.contract import PRE_NORM_TENSOR, RID_PREFIX, EngineInfo, tensor_name
 from hsx.jobs.repository import ClaimedUnit, RejectionRow
 from hsx.safetensors_io import DTYPE_SIZES
@@ -59,8 +60,16 @@ class _Pending:
     index: int
     input_ids: list[int]
     loss_mask: list[int]
-    future: Future[DumpFile | RejectionRow]
+    future: Future[_Sent | RejectionRow]
     dump_bytes: int
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """A prefill the engine answered; its dump may still be on its way."""
+
+    rid: str
+    cached_tokens: int
 
 
 def dump_tensors(info: EngineInfo) -> list[str]:
@@ -125,12 +134,12 @@ class UnitProcessor:
                 size = len(ids) * self.bytes_per_token
                 # Bounded look-ahead: each finished capture waits in shared memory until it is streamed.
                 while window and (
-                    len(window) >= 2 * self.concurrency or inflight + size > self.max_inflight_dump_bytes
+                    len(window) >= 4 * self.concurrency or inflight + size > self.max_inflight_dump_bytes
                 ):
                     pending = window.popleft()
                     inflight -= pending.dump_bytes
                     stream = self._collect(pending, result, stream, unit, staged_path)
-                future = self.pool.submit(self._capture, unit, index, ids)
+                future = self.pool.submit(self._prefill, unit, index, ids)
                 window.append(_Pending(index, ids, mask, future, size))
                 inflight += size
             while window:
@@ -145,8 +154,8 @@ class UnitProcessor:
             for pending in window:
                 with contextlib.suppress(BaseException):
                     outcome = pending.future.result()
-                    if isinstance(outcome, DumpFile):
-                        self._drop(outcome)
+                    if isinstance(outcome, _Sent):
+                        delete_dump(self.dump_dir, outcome.rid)
             if stream is not None:
                 stream.discard()
             raise
@@ -167,6 +176,8 @@ class UnitProcessor:
             sample = self._encoder.encode(raw)
         except EncodeError as exc:
             return RejectionRow(index, exc.reason, exc.detail)
+        if sample.truncated:
+            telemetry.samples_truncated(1)
         return sample.input_ids, sample.loss_mask
 
     def _collect(
@@ -177,7 +188,7 @@ class UnitProcessor:
         unit: ClaimedUnit,
         staged_path: Path,
     ) -> ShardStream | None:
-        outcome = pending.future.result()
+        outcome = self._dump_of(unit, pending, pending.future.result())
         if isinstance(outcome, RejectionRow):
             result.rejections.append(outcome)
             return stream
@@ -203,6 +214,10 @@ class UnitProcessor:
         except SampleRejected as exc:
             result.rejections.append(RejectionRow(pending.index, exc.reason, exc.detail))
             return stream
+        except BaseException:
+            if stream is not None:  # made here, so the caller does not know it yet
+                stream.discard()
+            raise
         finally:
             self._drop(outcome)
         result.samples_done += 1
@@ -214,48 +229,70 @@ class UnitProcessor:
         dump.close()
         delete_dump(self.dump_dir, dump.meta.rid)
 
-    def _capture(self, unit: ClaimedUnit, index: int, ids: list[int]) -> DumpFile | RejectionRow:
-        last: SampleRejected | None = None
-        for _ in range(SAMPLE_ATTEMPTS):
-            rid = (
-                f"{RID_PREFIX}{unit.job_id[:8]}-u{unit.unit_index}a{unit.attempt}"
-                f"-s{index}-{uuid.uuid4().hex[:8]}"
+    def _prefill(self, unit: ClaimedUnit, index: int, ids: list[int]) -> _Sent | RejectionRow:
+        """On a prefill thread: send the prompt and return as soon as the engine answers. Waiting for the
+        dump happens in order on the collecting thread, so these threads keep the engine busy."""
+        rid = (
+            f"{RID_PREFIX}{unit.job_id[:8]}-u{unit.unit_index}a{unit.attempt}-s{index}-{uuid.uuid4().hex[:8]}"
+        )
+        extra_key = rid if self.namespace_cache_per_request else None
+        started = time.monotonic()
+        try:
+            response = self.client.prefill(ids, rid, extra_key=extra_key)
+        except EngineRejected as exc:
+            telemetry.engine_error("rejected")
+            return RejectionRow(index, "engine_rejected", str(exc))
+        finally:
+            telemetry.engine_request(time.monotonic() - started)
+        meta_info = response.get("meta_info", {})
+        return _Sent(rid, int(meta_info.get("cached_tokens", 0) or 0))
+
+    def _dump_of(
+        self, unit: ClaimedUnit, pending: _Pending, sent: _Sent | RejectionRow
+    ) -> DumpFile | RejectionRow:
+        """The checked dump of a prefill; a capture that fails a check is sent once more under a new rid
+        (here, synchronously: it is rare), then rejected with the reason of its last try."""
+        last = SampleRejected("dump_missing", "no attempt made")
+        for attempt in range(SAMPLE_ATTEMPTS):
+            if attempt:
+                sent = self._prefill(unit, pending.index, pending.input_ids)
+            if isinstance(sent, RejectionRow):
+                return sent
+            opened = self._open_checked(pending, sent)
+            if isinstance(opened, DumpFile):
+                return opened
+            last = opened
+            telemetry.sample_retried(last.reason)
+            log.info("sample %s: %s (%s)", pending.index, last.reason, last.detail)
+        return RejectionRow(pending.index, last.reason, last.detail)
+
+    def _open_checked(self, pending: _Pending, sent: _Sent) -> DumpFile | SampleRejected:
+        dump: DumpFile | None = None
+        started = time.monotonic()
+        try:
+            dump = open_dump(self.dump_dir, sent.rid, self.dump_wait_seconds)
+            telemetry.dump_wait(time.monotonic() - started)
+            shapes = {name: spec.shape for name, spec in dump.state_specs().items()}
+            check_dump(
+                dump.meta,
+                dump.input_ids(),
+                shapes,
+                pending.input_ids,
+                sent.cached_tokens,
+                self.tensors,
+                self.info.hidden_size,
             )
-            extra_key = rid if self.namespace_cache_per_request else None
-            try:
-                response = self.client.prefill(ids, rid, extra_key=extra_key)
-            except EngineRejected as exc:
-                return RejectionRow(index, "engine_rejected", str(exc))
-            dump: DumpFile | None = None
-            try:
-                meta_info = response.get("meta_info", {})
-                started = time.monotonic()
-                dump = open_dump(self.dump_dir, rid, self.dump_wait_seconds)
-                log.debug("dump of %s after %.3fs", rid, time.monotonic() - started)
-                shapes = {name: spec.shape for name, spec in dump.state_specs().items()}
-                check_dump(
-                    dump.meta,
-                    dump.input_ids(),
-                    shapes,
-                    ids,
-                    int(meta_info.get("cached_tokens", 0) or 0),
-                    self.tensors,
-                    self.info.hidden_size,
-                )
-                return dump
-            except DumpMissing as exc:
-                last = SampleRejected("dump_missing", str(exc))
-                log.info("sample %s: no dump for %s: %s", index, rid, exc)
-            except SampleRejected as exc:
-                last = exc
-                log.info("sample %s attempt failed validation: %s (%s)", index, exc.reason, exc.detail)
-            except BaseException:
-                if dump is not None:
-                    dump.close()
-                delete_dump(self.dump_dir, rid)
-                raise
+            return dump
+        except DumpMissing as exc:
+            problem = SampleRejected("dump_missing", str(exc))
+        except SampleRejected as exc:
+            problem = exc
+        except BaseException:
             if dump is not None:
                 dump.close()
-            delete_dump(self.dump_dir, rid)
-        assert last is not None
-        return RejectionRow(index, last.reason, last.detail)
+            delete_dump(self.dump_dir, sent.rid)
+            raise
+        if dump is not None:
+            dump.close()
+        delete_dump(self.dump_dir, sent.rid)
+        return problem

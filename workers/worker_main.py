@@ -25,6 +25,7 @@ from rq import Worker
 from rq.exceptions import StopRequested
 
 from hsx.jobs.queue import queue_for, redis_connection
+from hsx.logging_setup import configure_logging
 from hsx.settings import Settings, get_settings
 from workers.job_runner import lease_owner
 from workers.reconciler import FORK_LOCK, ReconcilerThread, expire_leases_of
@@ -71,7 +72,7 @@ def preload() -> None:
 
 
 def run_worker(settings: Settings, burst: bool = False, reconcile: bool = True) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_format, settings.log_level)
     preload()
     reconciler = ReconcilerThread(settings) if reconcile else None
     if reconciler is not None:

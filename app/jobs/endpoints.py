@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Response, status
+from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
 
 from app.deps import SessionDep, SettingsDep
 from app.jobs import schemas
 from app.jobs.service import JobService
+from hsx.errors import UnsupportedMediaType
 from hsx.jobs import repository as repo
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -20,14 +21,30 @@ ERRORS: dict[int | str, dict[str, object]] = {
     404: {"model": schemas.ErrorOut},
     409: {"model": schemas.ErrorOut},
     413: {"model": schemas.ErrorOut},
+    415: {"model": schemas.ErrorOut},
     422: {"model": schemas.ErrorOut},
+    500: {"model": schemas.ErrorOut},
 }
+
+
+def json_body(request: Request) -> None:
+    """Refuse a body sent as something other than JSON (curl -d sends a form) with a reason that says so."""
+    # FastAPI leaves a body without a declared JSON type unread, which would surface as "field required".
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise UnsupportedMediaType(
+        f"the body must be JSON, sent with Content-Type: application/json (got {media or 'an empty type'}); "
+        "with curl: -H 'Content-Type: application/json'",
+        error="unsupported_media_type",
+    )
 
 
 @router.post(
     "",
     response_model=schemas.JobOut,
     status_code=status.HTTP_201_CREATED,
+    dependencies=[Depends(json_body)],
     responses={
         **ERRORS,
         200: {"model": schemas.JobOut, "description": "The job an earlier request with this key created"},
@@ -44,6 +61,7 @@ def submit_job(
     job, created = service.submit(body, idempotency_key)
     if not created:
         response.status_code = status.HTTP_200_OK
+    response.headers["Location"] = f"/jobs/{job.id}"
     return service.document(job)
 
 
@@ -67,10 +85,16 @@ def get_job(job_id: str, session: SessionDep, settings: SettingsDep) -> schemas.
 
 
 @router.get("/{job_id}/shards", response_model=schemas.ShardPage, responses=ERRORS)
-def get_shards(job_id: str, session: SessionDep, settings: SettingsDep) -> schemas.ShardPage:
+def get_shards(
+    job_id: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
+) -> schemas.ShardPage:
     service = JobService(session, settings)
-    shards = service.shards(service.get(job_id))
-    return schemas.ShardPage(items=shards, total=len(shards))
+    items, total = service.shards(service.get(job_id), limit, offset)
+    return schemas.ShardPage(items=items, total=total, limit=limit, offset=offset)
 
 
 @router.get("/{job_id}/rejections", response_model=schemas.RejectionPage, responses=ERRORS)

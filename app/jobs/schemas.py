@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Literal
+from datetime import datetime, timezone
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 JobStateName = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
 
+def _as_utc(value: datetime) -> datetime:
+    # SQLite hands back naive datetimes (stored as UTC), PostgreSQL aware ones in the session's time zone;
+    # both are shown the same way, in UTC with its offset.
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
+
+
 class JobOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: "100" is not a length and "yes" is not a boolean; a typo is refused, not coerced.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     format: Literal["auto", "messages", "sharegpt"] = "auto"
     chat_template: bool = True
@@ -37,7 +47,7 @@ class JobOptions(BaseModel):
 
 
 class JobCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     dataset_uri: str = Field(min_length=1, max_length=4096)
     options: JobOptions = Field(default_factory=lambda: JobOptions())
@@ -64,6 +74,12 @@ class ShardOut(BaseModel):
     tokens: int
 
 
+class ShardsPreview(BaseModel):
+    total: int
+    items: list[ShardOut] = Field(description="The first shards, in order; the rest are at href.")
+    href: str = Field(description="Every shard, paginated: GET this with limit and offset.")
+
+
 class RejectionOut(BaseModel):
     sample_index: int
     reason: str
@@ -80,11 +96,11 @@ class JobOut(BaseModel):
     output_dir: str
     manifest: str | None
     engine: dict[str, object] | None
-    shards: list[ShardOut]
+    shards: ShardsPreview
     rejections: dict[str, int] = Field(description="Rejected samples counted by reason.")
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
+    created_at: UtcDatetime
+    started_at: UtcDatetime | None
+    finished_at: UtcDatetime | None
 
 
 class JobSummary(BaseModel):
@@ -93,7 +109,7 @@ class JobSummary(BaseModel):
     dataset_uri: str
     progress: Progress
     error: str | None
-    created_at: datetime
+    created_at: UtcDatetime
 
 
 class JobPage(BaseModel):
@@ -106,6 +122,8 @@ class JobPage(BaseModel):
 class ShardPage(BaseModel):
     items: list[ShardOut]
     total: int
+    limit: int
+    offset: int
 
 
 class RejectionPage(BaseModel):

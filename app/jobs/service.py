@@ -24,6 +24,9 @@ from hsx.settings import Settings
 from workers.dataset import DatasetError
 from workers.records import inspect_head
 
+# GET /jobs/{id} shows this many shards; GET /jobs/{id}/shards pages through all of them.
+SHARDS_IN_DOCUMENT = 10
+
 
 def request_hash(body: schemas.JobCreate) -> str:
     canonical = json.dumps(
@@ -102,11 +105,14 @@ class JobService:
         job = self.get(job_id)
         if JobState(job.state).is_final:
             raise Conflict(f"job is already {job.state}", error="job_finished")
-        repo.set_job_state(
+        cancelled = repo.set_job_state(
             self.session, job_id, JobState.cancelled, repo.ACTIVE_STATES, error="cancelled by request"
         )
         self.session.commit()
         self.session.refresh(job)
+        if not cancelled:
+            # It finished between the read above and the compare-and-set: say so, never "200, succeeded".
+            raise Conflict(f"job is already {job.state}", error="job_finished")
         return job
 
     # --- presentation -----------------------------------------------------------------------------------
@@ -134,14 +140,19 @@ class JobService:
             fraction=round(handled / job.samples_total, 4) if job.samples_total else 0.0,
         )
 
-    def shards(self, job: Job) -> list[schemas.ShardOut]:
-        return [
+    def shards(self, job: Job, limit: int, offset: int) -> tuple[list[schemas.ShardOut], int]:
+        """One page of the job's shards in order, and how many there are."""
+        # The repository has no paginated shard query yet; rows are small (a path, a digest, counts).
+        rows = repo.list_shards(self.session, job.id)
+        page = [
             schemas.ShardOut(path=s.path, sha256=s.sha256, bytes=s.bytes, samples=s.samples, tokens=s.tokens)
-            for s in repo.list_shards(self.session, job.id)
+            for s in rows[offset : offset + limit]
         ]
+        return page, len(rows)
 
     def document(self, job: Job) -> schemas.JobOut:
         manifest = Path(job.output_dir) / MANIFEST_NAME
+        first, total = self.shards(job, SHARDS_IN_DOCUMENT, 0)
         return schemas.JobOut(
             id=job.id,
             state=job.state,
@@ -152,7 +163,7 @@ class JobService:
             output_dir=job.output_dir,
             manifest=str(manifest) if job.state == JobState.succeeded.value else None,
             engine=job.engine,
-            shards=self.shards(job),
+            shards=schemas.ShardsPreview(total=total, items=first, href=f"/jobs/{job.id}/shards"),
             rejections=repo.rejection_counts(self.session, job.id),
             created_at=job.created_at,
             started_at=job.started_at,

@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from hsx import contract
+
 
 def parse_aux_layers(text: str) -> list[int]:
     try:
@@ -46,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="never reuse a cached prefix (every token computed)",
     )
     parser.add_argument("--max-cached-prompts", type=int, default=32)
+    parser.add_argument(
+        "--final-state",
+        choices=list(contract.FINAL_STATES),
+        default="post",
+        help=(
+            "post: the final norm's output as hidden.<N> (default); pre: its input, the last layer's "
+            f"output, as {contract.PRE_NORM_TENSOR} instead; both"
+        ),
+    )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice, one per core)"
     )
@@ -87,6 +98,7 @@ def main(argv: list[str]) -> int:
                 prefix_cache=not args.disable_prefix_cache,
                 max_cached_prompts=args.max_cached_prompts,
                 device=args.device,
+                final_state=args.final_state,
             )
         )
     except (ValueError, FileNotFoundError) as exc:
@@ -94,11 +106,12 @@ def main(argv: list[str]) -> int:
         return 2
     info = engine.info()
     logging.getLogger(__name__).info(
-        "serving %s (%d layers, %s, hf indices %s, prefix cache %s) on %s:%d, dumps in %s",
+        "serving %s (%d layers, %s, hf indices %s, final state %s, prefix cache %s) on %s:%d, dumps in %s",
         info.model_path,
         info.num_layers,
         info.dtype,
         info.hf_indices,
+        info.final_state,
         "on" if info.prefix_cache else "off",
         args.host,
         args.port,

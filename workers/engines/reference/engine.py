@@ -50,6 +50,9 @@ class EngineConfig:
     prefix_cache: bool = True
     max_cached_prompts: int = 32
     device: str | None = None  # None: CUDA when available
+    # contract.FINAL_STATES: "post" dumps hidden.<N> (the final norm's output), "pre" the norm's input as
+    # contract.PRE_NORM_TENSOR instead, "both" both.
+    final_state: str = "post"
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,12 @@ class ReferenceEngine:
             else contract.eagle3_aux_layer_ids(self.num_layers)
         )
         self.hf_indices = contract.hf_indices(self.aux_layer_ids, self.num_layers)
+        if config.final_state not in contract.FINAL_STATES:
+            raise ValueError(f"final_state {config.final_state!r}: choose one of {contract.FINAL_STATES}")
+        self.final_state = config.final_state
+        # The captured hidden_states indices: the aux layers, and N unless only the pre-norm state is kept.
+        self.captured_indices = self.hf_indices if self.final_state != "pre" else self.hf_indices[:-1]
+        self._final_norm = _final_norm(self.model) if self.final_state != "post" else None
         self.prefix_cache = PrefixCache(config.max_cached_prompts) if config.prefix_cache else None
         self._cache_kwarg = _cache_kwarg_name(self.model)
         self._forward_lock = threading.Lock()
@@ -179,6 +188,7 @@ class ReferenceEngine:
             hf_indices=list(self.hf_indices),
             dump_dir=self.config.dump_dir,
             prefix_cache=self.prefix_cache is not None,
+            final_state=self.final_state,
         )
 
     def prefill(self, input_ids: Sequence[int], rid: str, extra_key: str | None = None) -> PrefillResult:
@@ -258,31 +268,50 @@ class ReferenceEngine:
 
     def _forward(
         self, computed_ids: list[int], past: KvLayers
-    ) -> tuple[int, dict[int, torch.Tensor], KvLayers]:
-        """Forward ``computed_ids`` after the cached ``past``: greedy next token, captured states, full KV."""
+    ) -> tuple[int, dict[int | str, torch.Tensor], KvLayers]:
+        """Forward ``computed_ids`` after the cached ``past``: greedy next token, captured states (by hf
+        index, and the pre-norm state under ``contract.PRE_NORM_TENSOR`` when asked), full KV."""
         cache = DynamicCache(config=self.model.config)
         for layer_index, (keys, values) in enumerate(past):
             # update() concatenates into fresh tensors: the cache entry that lent these slices stays intact.
             cache.update(keys, values, layer_index)
         ids = torch.tensor([computed_ids], dtype=torch.long, device=self.device)
         kwargs: dict[str, Any] = {self._cache_kwarg: cache}
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=ids, use_cache=True, output_hidden_states=True, logits_to_keep=1, **kwargs
-            )
+        pre_norm: list[torch.Tensor] = []
+        handle = None
+        if self._final_norm is not None:
+            # The final norm's input is the last decoder layer's output: the state before the norm.
+            def keep_input(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+                pre_norm.append(args[0])
+
+            handle = self._final_norm.register_forward_pre_hook(keep_input)
+        try:
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=ids, use_cache=True, output_hidden_states=True, logits_to_keep=1, **kwargs
+                )
+        finally:
+            if handle is not None:
+                handle.remove()
         hidden_states = out.hidden_states
         if hidden_states is None or len(hidden_states) != self.num_layers + 1:
             got = "none" if hidden_states is None else len(hidden_states)
             raise RuntimeError(f"model returned {got} hidden states, expected {self.num_layers + 1}")
         output_id = int(out.logits[0, -1].argmax().item())
-        captured = {index: hidden_states[index][0].detach().to("cpu") for index in self.hf_indices}
+        captured: dict[int | str, torch.Tensor] = {
+            index: hidden_states[index][0].detach().to("cpu") for index in self.captured_indices
+        }
+        if self._final_norm is not None:
+            if len(pre_norm) != 1:
+                raise RuntimeError(f"the final norm ran {len(pre_norm)} times in one forward, expected once")
+            captured[contract.PRE_NORM_TENSOR] = pre_norm[0][0].detach().to("cpu")
         return output_id, captured, _kv_layers(cache)
 
     def _write_dump(
         self,
         rid: str,
         computed_ids: list[int],
-        hidden: dict[int, torch.Tensor],
+        hidden: dict[int | str, torch.Tensor],
         prompt_tokens: int,
         cached: int,
     ) -> None:
@@ -300,11 +329,11 @@ class ReferenceEngine:
             )
         ]
         safetensors_dtype = SAFETENSORS_DTYPES[self.dtype]
-        for index in self.hf_indices:
-            state = hidden[index]
-            tensors.append(
-                (contract.tensor_name(index), safetensors_dtype, list(state.shape), tensor_bytes(state))
-            )
+        non_finite: dict[str, int] = {}
+        for key, state in hidden.items():
+            name = key if isinstance(key, str) else contract.tensor_name(key)
+            non_finite[name] = int((~torch.isfinite(state)).sum().item())
+            tensors.append((name, safetensors_dtype, list(state.shape), tensor_bytes(state)))
         contract.write_safetensors(os.path.join(directory, contract.STATES_FILE), tensors)
         meta = contract.DumpMeta(
             rid=rid,
@@ -317,7 +346,8 @@ class ReferenceEngine:
             aux_layer_ids=list(self.aux_layer_ids),
             hf_indices=list(self.hf_indices),
             engine=BACKEND,
-            extra={"model_path": str(self.config.model_dir)},
+            non_finite=non_finite,
+            extra={"model_path": str(self.config.model_dir), "final_state": self.final_state},
         )
         contract.write_meta_atomically(directory, meta)
 
@@ -329,6 +359,15 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
         tensor = tensor.view(torch.int16)
     data: bytes = tensor.numpy().tobytes()
     return data
+
+
+def _final_norm(model: PreTrainedModel) -> torch.nn.Module:
+    """The decoder's final norm, whose input is the pre-norm final state."""
+    decoder = getattr(model, "model", None) or getattr(model, "base_model", None)
+    norm = getattr(decoder, "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        raise ValueError(f"{type(model).__name__}: no final norm found; --final-state pre/both needs one")
+    return norm
 
 
 def _kv_layers(cache: DynamicCache) -> KvLayers:

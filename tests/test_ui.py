@@ -1,0 +1,128 @@
+"""The dashboard in a real browser: Debian's headless Chromium (driven by Playwright) opens /ui with the
+API token, sees a job finish, opens its units and shards, runs verify, cancels and retries a job, and keeps a
+screenshot (``$HSX_TEST_ARTIFACTS``, default ``.hsx/artifacts/``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.live_server import serve_in_thread
+from tests.fixtures.stack import REPO, TEST_TOKEN, Stack
+
+SAMPLE = REPO / "tests" / "data" / "short_chats.jsonl"
+postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+CHROMIUM_ARGS = [
+    "--no-sandbox",  # CI runs as root
+    "--disable-gpu",
+    "--disable-background-networking",  # this machine's closed network refuses Chromium's own calls
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+TIMEOUT_MS = 90_000
+
+
+def chromium_path() -> str:
+    for candidate in ("chromium", "chromium-browser"):
+        found = shutil.which(candidate)
+        if found:
+            return found
+    pytest.skip(
+        "no chromium binary on PATH: install Debian's package (apt-get install -y chromium; .ci/run does)"
+    )
+
+
+def artifacts_dir() -> Path:
+    folder = Path(os.environ.get("HSX_TEST_ARTIFACTS") or REPO / ".hsx" / "artifacts")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture
+def page(stack: Stack) -> Iterator[tuple[Any, str]]:
+    executable = chromium_path()
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra")
+    with serve_in_thread(stack.client.app) as url, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        try:
+            tab = browser.new_page(viewport={"width": 1400, "height": 900})
+            tab.set_default_timeout(TIMEOUT_MS)
+            yield tab, url
+        finally:
+            browser.close()
+
+
+@postgres_only
+def test_dashboard_shows_a_job_finish_runs_verify_cancels_and_retries(
+    stack: Stack, page: tuple[Any, str]
+) -> None:
+    tab, url = page
+    errors: list[str] = []
+    tab.on("pageerror", lambda exc: errors.append(str(exc)))
+    tab.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+
+    done_job = stack.submit(SAMPLE, samples_per_shard=4)
+    stack.start_worker(burst=True)
+
+    tab.goto(f"{url}/ui")
+    # Without the token every call is refused, and the page says so.
+    tab.wait_for_selector(
+        "[data-testid=status]:has-text('unauthorized'), [data-testid=status]:has-text('token')"
+    )
+    tab.fill("#token", TEST_TOKEN)
+    tab.press("#token", "Enter")
+    tab.wait_for_selector(f"[data-testid='state-{done_job['id']}']:has-text('succeeded')")
+
+    tab.click(f"tr[data-job='{done_job['id']}']")
+    doc = stack.job(done_job["id"])
+    units = tab.locator("#job-units tr")
+    units.nth(doc["progress"]["units_total"] - 1).wait_for()
+    assert units.count() == doc["progress"]["units_total"]
+    assert tab.locator("#job-shards tr").count() == len(doc["shards"])
+    assert tab.inner_text("#job-state") == "succeeded"
+
+    tab.click("[data-testid=verify]")
+    verdict = tab.wait_for_selector("[data-testid=verify-verdict]")
+    assert verdict is not None and "verify passed" in verdict.inner_text()
+
+    # A second job, with no worker left to run it: cancel it from the page, then retry it.
+    queued = stack.submit(SAMPLE, samples_per_shard=4)
+    tab.click(f"[data-testid='cancel-{queued['id']}']")
+    tab.wait_for_selector(f"[data-testid='state-{queued['id']}']:has-text('cancelled')")
+    assert stack.job(queued["id"])["state"] == "cancelled"
+    tab.click(f"[data-testid='retry-{queued['id']}']")
+    tab.wait_for_selector("[data-testid=status]:has-text('resubmitted')")
+    jobs = stack.client.get("/jobs").json()
+    assert jobs["total"] == 3
+    retried = jobs["items"][0]
+    assert retried["state"] == "queued" and retried["dataset_uri"] == queued["dataset_uri"]
+    tab.wait_for_selector(f"[data-testid='state-{retried['id']}']")
+
+    tab.click(f"tr[data-job='{done_job['id']}']")
+    tab.wait_for_selector(f"#job-id:has-text('{done_job['id']}')")
+    tab.wait_for_selector("#job-state:has-text('succeeded')")
+    tab.wait_for_timeout(2500)  # one more refresh: the panel stays on the job picked last
+    assert tab.inner_text("#job-id") == done_job["id"]
+    shot = artifacts_dir() / "dashboard.png"
+    tab.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    assert not [e for e in errors if "401" not in e], errors  # only the refused calls before the token
+
+
+def test_dashboard_files_carry_a_strict_content_security_policy() -> None:
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    client = TestClient(create_app())
+    page = client.get("/ui/")
+    assert page.status_code == 200 and '<script src="app.js">' in page.text
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert client.get("/ui/app.js").status_code == 200
+    assert client.get("/ui/__init__.py").status_code == 404  # the package's Python is not served
