@@ -3,12 +3,13 @@ Routers hold no rules: they call the service."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response, status
+from fastapi import APIRouter, Depends, Response, status
 
 from app.deps import SessionDep, SettingsDep
 from app.exports import schemas
 from app.exports.service import ExportService, document
-from app.jobs.endpoints import ERRORS
+from app.jobs.endpoints import ERRORS, json_body
+from app.jobs.schemas import ErrorOut
 
 router = APIRouter(prefix="/jobs", tags=["exports"])
 
@@ -17,10 +18,11 @@ router = APIRouter(prefix="/jobs", tags=["exports"])
     "/{job_id}/exports",
     response_model=schemas.ExportOut,
     status_code=status.HTTP_202_ACCEPTED,
+    dependencies=[Depends(json_body)],
     responses={
         **ERRORS,
         200: {"model": schemas.ExportOut, "description": "The same export, queued or made earlier"},
-        503: {"model": schemas.ExportError},
+        503: {"model": ErrorOut, "description": "The queue is unavailable"},
     },
 )
 def create_export(
