@@ -160,7 +160,7 @@ def test_a_rid_already_in_flight_is_refused(engine_nocache: RunningEngine) -> No
         )
 
     queued_rid = captured_rid("dup")
-    long_request = threading.Thread(target=send, args=("long", unique_prompt(400), captured_rid("long")))
+    long_request = threading.Thread(target=send, args=("long", unique_prompt(3000), captured_rid("long")))
     long_request.start()
     time.sleep(0.5)
     queued = threading.Thread(target=send, args=("queued", unique_prompt(3), queued_rid))
