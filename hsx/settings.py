@@ -98,6 +98,9 @@ class Settings(BaseSettings):
     # Trainer-format exports made through the API: one folder per export, with its status file beside it.
     exports_dir: Path = Path("")  # empty: data_dir / "exports"
 
+    # Besides the output directory, publish each finished job to <output_uri>/<job_id> (s3://bucket/prefix;
+    # the bucket must be in allowed_buckets). A job succeeds only once every object is confirmed there.
+    output_uri: str = ""
     # Logs: "json" (one object a line) or "text" (key=value); both carry job, unit, attempt and rid.
     log_format: Literal["json", "text"] = "text"
     log_level: str = "INFO"

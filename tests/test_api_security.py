@@ -312,11 +312,15 @@ def test_a_redirect_to_a_private_address_is_refused(
     recorder: tuple[type[_Recorder], int],
     monkeypatch: pytest.MonkeyPatch,
     target: str,
+    tmp_path: Path,
 ) -> None:
-    """The first hop must pass the address check for the redirect to be seen at all, and the only server a
-    test may reach is on loopback, which the check refuses: so the check lets that one first hop through
-    (once), and every later hop is judged for real, before any connection."""
+    """A download happens in the worker that prepares the job (workers.sources), never in the request; each
+    hop is judged there. The first hop must pass the address check for the redirect to be seen at all, and
+    the only server a test may reach is on loopback, which the check refuses: so the check lets that one
+    first hop through (once), and every later hop is judged for real, before any connection."""
     import hsx.dataset_uri as dataset_uri
+    from workers.dataset import DatasetError
+    from workers.sources import materialize
 
     stack = stack_no_engine
     handler, port = recorder
@@ -331,10 +335,11 @@ def test_a_redirect_to_a_private_address_is_refused(
         return real(address)
 
     monkeypatch.setattr(dataset_uri, "is_public_address", public_once)
-    body = refused(stack, f"http://127.0.0.1:{port}/go")
-    assert body["error"] == "address_not_public", body
+    with pytest.raises(DatasetError) as refused_by_worker:
+        materialize(f"http://127.0.0.1:{port}/go", tmp_path / "prepared", stack.settings)
+    assert refused_by_worker.value.reason == "address_not_public", refused_by_worker.value
     assert handler.requests == ["/go"], "only the first hop was fetched"
-    assert job_count(stack) == 0 and queued(stack) == 0
+    assert not any((tmp_path / "prepared").rglob("*.jsonl")), "nothing was kept"
 
 
 def test_hostile_job_ids_are_not_found_on_every_job_route(api: tuple[Stack, str]) -> None:

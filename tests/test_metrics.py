@@ -19,11 +19,11 @@ SAMPLE = REPO / "tests" / "data" / "short_chats.jsonl"
 postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 
 
-
 def all_shards(stack: Stack, job_id: str) -> list[dict[str, Any]]:
     page = stack.client.get(f"/jobs/{job_id}/shards", params={"limit": 1000}).json()
     assert page["total"] == len(page["items"])
     return list(page["items"])
+
 
 def scrape(stack: Stack) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     """{sample name: {sorted labels: value}}, through prometheus_client's own parser."""

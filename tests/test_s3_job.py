@@ -1,6 +1,6 @@
-"""A real job whose dataset is a Parquet file in S3 and whose output is published to S3 (moto's server),
-through the calls the worker's prepare step and the job's finalization make (``workers.sources.materialize``
-and ``hsx.storage.upload_output``), gives the samples of the same job on the original JSONL file."""
+"""A real job whose dataset is a Parquet file in S3 (submitted as its s3:// URI, fetched and converted by the
+worker that prepares the job) and whose output is published to S3 by the job's finalization
+(``HSX_OUTPUT_URI``; moto's server) gives the samples of the same job on the original JSONL file."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ import pytest
 import torch
 
 from hsx.loader import iter_samples
-from hsx.storage import upload_output
 from tests.conftest import REDIS_URL
 from tests.fixtures.s3 import S3Bucket
 from tests.fixtures.stack import REPO, make_stack
-from workers.sources import materialize
 
 MULTI_TURN = REPO / "tests" / "data" / "short_chats.jsonl"
 
@@ -35,13 +33,10 @@ def test_an_s3_parquet_dataset_gives_the_jsonl_samples_and_the_output_lands_in_s
     stack = make_stack(
         db_url, REDIS_URL, engine_nocache.url, tmp_path, monkeypatch,
         s3_endpoint_url=s3_bucket.server.url, allowed_buckets=s3_bucket.name,
-        allowed_uri_schemes="file,s3",
+        allowed_uri_schemes="file,s3", output_uri=f"s3://{s3_bucket.name}/outputs",
     )  # fmt: skip
     try:
-        settings = stack.settings
-        # What the prepare step does with the job's dataset URI.
-        local = materialize(f"s3://{s3_bucket.name}/datasets/chats.parquet", tmp_path / "prepared", settings)
-        from_s3 = stack.submit(local, samples_per_shard=4)
+        from_s3 = stack.submit(f"s3://{s3_bucket.name}/datasets/chats.parquet", samples_per_shard=4)
         from_jsonl = stack.submit(MULTI_TURN, samples_per_shard=4)
         assert stack.run_burst(timeout=600) == 0, stack.logs()
         docs = [stack.wait(job["id"], timeout=120) for job in (from_s3, from_jsonl)]
@@ -49,14 +44,12 @@ def test_an_s3_parquet_dataset_gives_the_jsonl_samples_and_the_output_lands_in_s
     finally:
         stack.stop_workers()
 
-    # What finalization does with the finished output.
-    out_dir = Path(docs[0]["output_dir"])
-    uri = f"s3://{s3_bucket.name}/outputs/{from_s3['id']}"
-    report = upload_output(out_dir, uri, settings)
-    assert report.objects[-1].key.endswith("/manifest.json")
+    # Finalization published the output; the store holds exactly the local output's files.
     copy = tmp_path / "copy"
     client = s3_bucket.client()
     prefix = f"outputs/{from_s3['id']}/"
+    local_files = sorted(p.name for p in Path(docs[0]["output_dir"]).iterdir() if not p.name.startswith("."))
+    assert sorted(key[len(prefix) :] for key in s3_bucket.keys(prefix)) == local_files
     for key in s3_bucket.keys(prefix):
         (copy / key[len(prefix) :]).parent.mkdir(parents=True, exist_ok=True)
         client.download_file(s3_bucket.name, key, str(copy / key[len(prefix) :]))

@@ -185,7 +185,7 @@ class JobRunner:
         per_unit = int(job.options.get("samples_per_shard") or self.settings.samples_per_unit)
         try:
             with self._prepare_lease():
-                prepared = prepare(job.dataset_path, job.output_dir, per_unit)
+                prepared = prepare(job.dataset_path, job.output_dir, per_unit, self.settings)
         except DatasetError as exc:
             self._fail(f"dataset {exc.reason}: {exc.detail}")
             return False

@@ -113,7 +113,8 @@ def _write_jsonl(records: Iterator[Any], target: Path) -> Path:
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
             for record in records:
-                fh.write(json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=_json_value))
+                # ASCII escapes: a record may hold lone surrogates, valid JSON but not UTF-8.
+                fh.write(json.dumps(record, separators=(",", ":"), default=_json_value))
                 fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())

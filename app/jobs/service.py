@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.jobs import schemas
-from hsx.dataset_uri import resolve_dataset_uri
+from hsx.dataset_uri import check_dataset_uri, resolve_local_dataset, uri_scheme
 from hsx.db.models import Job, JobState
 from hsx.errors import BadRequest, Conflict, NotFound
 from hsx.jobs import repository as repo
@@ -52,19 +52,24 @@ class JobService:
             existing = repo.get_job_by_idempotency_key(self.session, key)
             if existing is not None:
                 return self._same_request(existing, digest), False
-        dataset = resolve_dataset_uri(body.dataset_uri, self.settings)
-        try:
-            # Bounded work only: counting, indexing and converting are the job's first step, in a worker.
-            inspect_head(str(dataset.path), self.settings.max_dataset_bytes)
-        except DatasetError as exc:
-            raise BadRequest(exc.detail, error=f"dataset_{exc.reason}") from exc
+        # Bounded work only: downloading, converting, counting and indexing are the job's first step, done
+        # by a worker. A local dataset is vetted and its head read; a remote one is checked without transfer.
+        if uri_scheme(body.dataset_uri, self.settings) == "file":
+            local = resolve_local_dataset(body.dataset_uri, self.settings)
+            dataset_path = str(local.path)
+            try:
+                inspect_head(dataset_path, self.settings.max_dataset_bytes)
+            except DatasetError as exc:
+                raise BadRequest(exc.detail, error=f"dataset_{exc.reason}") from exc
+        else:
+            check_dataset_uri(body.dataset_uri, self.settings)
+            dataset_path = body.dataset_uri
         job_id = str(uuid.uuid4())
         job = Job(
             id=job_id,
             state=JobState.queued.value,
             dataset_uri=body.dataset_uri,
-            dataset_path=str(dataset.path),
-            dataset_sha256=getattr(dataset, "sha256", None),
+            dataset_path=dataset_path,
             options=body.options.model_dump(mode="json"),
             idempotency_key=key,
             request_hash=digest,
