@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     max_inflight_dump_bytes: int = 4 << 30
     # Worker processes `hsx worker` starts on this host (each one unit in flight at a time).
     worker_processes: int = 1
+    # Scheduling niceness of worker (and synthetic engine) processes: above 0 lets an API on the same host
+    # answer first when the cores are busy.
+    worker_nice: int = 0
+
+    # How stale a polled GET /jobs/{id} may be (app/jobs/document_cache.py); 0 renders every request.
+    job_document_ttl_seconds: float = 0.25
 
     # Security and input limits.
     api_token: SecretStr | None = None

@@ -147,13 +147,12 @@ class JobService:
 
     def shards(self, job: Job, limit: int, offset: int) -> tuple[list[schemas.ShardOut], int]:
         """One page of the job's shards in order, and how many there are."""
-        # The repository has no paginated shard query yet; rows are small (a path, a digest, counts).
-        rows = repo.list_shards(self.session, job.id)
+        rows = repo.list_shards(self.session, job.id, limit, offset)
         page = [
             schemas.ShardOut(path=s.path, sha256=s.sha256, bytes=s.bytes, samples=s.samples, tokens=s.tokens)
-            for s in rows[offset : offset + limit]
+            for s in rows
         ]
-        return page, len(rows)
+        return page, repo.shard_count(self.session, job.id)
 
     def document(self, job: Job) -> schemas.JobOut:
         manifest = Path(job.output_dir) / MANIFEST_NAME
