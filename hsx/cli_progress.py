@@ -270,8 +270,12 @@ def job_table(doc: dict[str, Any]) -> Table:
     if doc.get("state") in ("queued", "running"):
         table.add_row("eta", fmt_eta(p.get("eta_seconds")))
     table.add_row("rejections", fmt_rejections(doc.get("rejections", {})))
-    shards = doc.get("shards", [])
-    table.add_row("shards", f"{len(shards)} ({fmt_bytes(sum(s.get('bytes', 0) for s in shards))})")
+    # GET /jobs/{id} shows a bounded page of shards: {"total", "items", "href"}.
+    shards = doc.get("shards") or {}
+    items = shards.get("items", []) if isinstance(shards, dict) else list(shards)
+    total = shards.get("total", len(items)) if isinstance(shards, dict) else len(items)
+    size = fmt_bytes(sum(s.get("bytes", 0) for s in items))
+    table.add_row("shards", f"{total} ({size}{'' if total == len(items) else f' in the first {len(items)}'})")
     table.add_row("output", doc.get("manifest") or doc.get("output_dir", ""))
     if doc.get("error"):
         table.add_row("error", Text(str(doc["error"]), style="red"))

@@ -12,8 +12,13 @@ Accepted forms, each only while its scheme is in ``settings.allowed_uri_schemes`
   public, and the connection goes to an address that was checked, never through a second DNS lookup, so DNS
   rebinding cannot swap in a private address between the check and the connect. TLS is still verified against
   the host name. Environment proxies are ignored (they would connect on our behalf, unchecked).
-* ``s3://bucket/key``: refused unless the bucket is in ``settings.allowed_buckets``, and then refused anyway,
-  because this build has no S3 client.
+* ``s3://bucket/key``: refused unless the bucket is in ``settings.allowed_buckets``. Only its shape and bucket
+  are checked here (:func:`check_dataset_uri`); the worker that prepares the job reads the object
+  (``workers.sources``), so :func:`resolve_dataset_uri`, which answers with a local file, refuses it.
+
+:func:`check_dataset_uri` is what the API runs at submit time: no transfer, and local paths may also name a
+Hugging Face ``datasets`` folder (``save_to_disk``). :func:`resolve_dataset_uri` resolves to one local
+regular file, downloading http(s) first.
 
 Every refusal is a :class:`UriRefused` (a :class:`~hsx.errors.BadRequest` or :class:`~hsx.errors.Forbidden`)
 with a stable ``error`` code.
@@ -21,6 +26,7 @@ with a stable ``error`` code.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import os
@@ -34,7 +40,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 import httpx
@@ -119,7 +124,11 @@ def resolve_dataset_uri(uri: str, settings: Settings) -> ResolvedDataset:
     if scheme in _HTTP_SCHEMES:
         return download_dataset(uri, settings)
     if scheme == "s3":
-        _refuse_s3(uri, settings)
+        check_s3_uri(uri, settings)
+        raise InvalidUri(
+            "an s3:// dataset is read by the worker that prepares the job, not resolved to a local file here",
+            error="s3_read_by_worker",
+        )
     raise InvalidUri(f"scheme {scheme!r} is allowed but hsx cannot read it", error="uri_scheme_not_supported")
 
 
@@ -131,15 +140,20 @@ def check_dataset_uri(uri: str, settings: Settings) -> None:
     """
     scheme, is_uri = _checked_scheme(uri, settings)
     if scheme == "file":
-        _resolve_local(uri, is_uri, settings)
+        resolve_local_dataset(uri, settings)
     elif scheme in _HTTP_SCHEMES:
         ensure_public_host(_HttpTarget.parse(uri, settings).host)
     elif scheme == "s3":
-        _refuse_s3(uri, settings)
+        check_s3_uri(uri, settings)
     else:
         raise InvalidUri(
             f"scheme {scheme!r} is allowed but hsx cannot read it", error="uri_scheme_not_supported"
         )
+
+
+def uri_scheme(uri: str, settings: Settings) -> str:
+    """The lower-cased scheme, ``file`` for a plain path, once the allow-list and the characters pass."""
+    return _checked_scheme(uri, settings)[0]
 
 
 def _checked_scheme(uri: str, settings: Settings) -> tuple[str, bool]:
@@ -162,7 +176,15 @@ def _checked_scheme(uri: str, settings: Settings) -> tuple[str, bool]:
 # Local files
 
 
-def _resolve_local(uri: str, is_uri: bool, settings: Settings) -> ResolvedDataset:
+def resolve_local_dataset(uri: str, settings: Settings) -> ResolvedDataset:
+    """A local path or file URI as a vetted regular file or ``datasets`` folder (``save_to_disk``)."""
+    scheme, is_uri = _checked_scheme(uri, settings)
+    if scheme != "file":
+        raise InvalidUri(f"{scheme}:// is not a local dataset", error="invalid_uri")
+    return _resolve_local(uri, is_uri, settings, allow_folder=True)
+
+
+def _resolve_local(uri: str, is_uri: bool, settings: Settings, allow_folder: bool = False) -> ResolvedDataset:
     _refuse_traversal(uri)
     if is_uri:
         parts = urlsplit(uri)
@@ -196,16 +218,44 @@ def _resolve_local(uri: str, is_uri: bool, settings: Settings) -> ResolvedDatase
         raise InvalidUri(
             f"the dataset file cannot be read: {exc.strerror}", error="dataset_unreadable"
         ) from exc
-    if not stat.S_ISREG(info.st_mode):
-        raise InvalidUri("the dataset path is not a regular file", error="not_a_file")
-    if info.st_size > settings.max_dataset_bytes:
+    if allow_folder and stat.S_ISDIR(info.st_mode) and is_datasets_folder(real):
+        size = _folder_bytes(real, roots)
+    elif not stat.S_ISREG(info.st_mode):
+        what = "regular file or datasets folder" if allow_folder else "regular file"
+        raise InvalidUri(f"the dataset path is not a {what}", error="not_a_file")
+    else:
+        size = info.st_size
+    if size > settings.max_dataset_bytes:
         raise InvalidUri(
-            f"the dataset is {info.st_size} bytes, over the limit of {settings.max_dataset_bytes}",
+            f"the dataset is {size} bytes, over the limit of {settings.max_dataset_bytes}",
             error="dataset_too_large",
         )
     if not os.access(real, os.R_OK):
         raise InvalidUri("the dataset file is not readable by the service", error="dataset_unreadable")
-    return ResolvedDataset(uri=uri, path=real, size_bytes=info.st_size, sha256=None)
+    return ResolvedDataset(uri=uri, path=real, size_bytes=size, sha256=None)
+
+
+DATASETS_FOLDER_MARKERS = ("state.json", "dataset_dict.json")
+
+
+def is_datasets_folder(path: Path) -> bool:
+    """A folder written by Hugging Face ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return any((path / marker).is_file() for marker in DATASETS_FOLDER_MARKERS)
+
+
+def _folder_bytes(folder: Path, roots: list[Path]) -> int:
+    """Bytes of the regular files below ``folder``; a link leading out of the roots is refused."""
+    total = 0
+    for current, _dirs, names in os.walk(folder):
+        for name in names:
+            real = Path(os.path.realpath(Path(current) / name))
+            if not any(real.is_relative_to(root) for root in roots):
+                raise ForbiddenUri(
+                    "the dataset folder links outside the dataset roots", error="path_outside_roots"
+                )
+            with contextlib.suppress(OSError):
+                total += os.stat(real).st_size
+    return total
 
 
 def _refuse_traversal(text: str) -> None:
@@ -226,18 +276,27 @@ def _refuse_traversal(text: str) -> None:
 # S3
 
 
-def _refuse_s3(uri: str, settings: Settings) -> NoReturn:
+@dataclass(frozen=True)
+class S3Location:
+    bucket: str
+    key: str  # no leading slash; may end with "/" (a prefix)
+
+
+def check_s3_uri(uri: str, settings: Settings) -> S3Location:
+    """``s3://bucket/key`` with an allowed bucket and a plain key, or a refusal. No request is made."""
+    _checked_scheme(uri, settings)
     parts = urlsplit(uri)
-    bucket = parts.netloc
-    if not _S3_BUCKET.match(bucket) or not parts.path.strip("/"):
+    if parts.scheme.lower() != "s3":
         raise InvalidUri("an S3 URI is s3://bucket/key", error="invalid_uri")
+    bucket = parts.netloc
+    key = unquote(parts.path).lstrip("/")
+    # Credentials in the URI would be stored with the job; a query or fragment has no meaning for S3 here.
+    if not _S3_BUCKET.match(bucket) or not key.strip("/") or parts.query or parts.fragment:
+        raise InvalidUri("an S3 URI is s3://bucket/key", error="invalid_uri")
+    _refuse_traversal(key)
     if bucket not in settings.allowed_buckets:
         raise ForbiddenUri(f"bucket {bucket!r} is not in the allowed buckets", error="bucket_not_allowed")
-    raise InvalidUri(
-        "s3 support is not installed in this build (there is no S3 client); "
-        "copy the object under a dataset root or serve it over https",
-        error="s3_support_not_installed",
-    )
+    return S3Location(bucket, key)
 
 
 # Remote addresses
@@ -338,8 +397,9 @@ def download_dataset(
     *,
     check_host: HostCheck = ensure_public_host,
     tls_context: ssl.SSLContext | None = None,
+    into: Path | None = None,
 ) -> ResolvedDataset:
-    """Download ``url`` into ``data_dir/downloads`` and return it as a dataset.
+    """Download ``url`` into ``into`` (default ``data_dir/downloads``) and return it as a dataset.
 
     ``check_host`` vets every hop and returns the addresses to connect to; production passes nothing and
     gets :func:`ensure_public_host`. Tests inject a check that lets a loopback server through, and
@@ -363,7 +423,7 @@ def download_dataset(
                 raise InvalidUri(
                     f"{target.host} answered HTTP {response.status_code}", error="download_failed"
                 )
-            path, size, sha256 = _stage(response, current, settings, deadline)
+            path, size, sha256 = _stage(response, current, settings, deadline, into)
             return ResolvedDataset(uri=url, path=path, size_bytes=size, sha256=sha256, source_url=current)
     raise InvalidUri(f"more than {MAX_REDIRECTS} redirects", error="too_many_redirects")
 
@@ -411,7 +471,9 @@ def _pinned_get(
     raise InvalidUri(f"could not connect to {target.host}: {last_error}", error="download_failed")
 
 
-def _stage(response: httpx.Response, url: str, settings: Settings, deadline: float) -> tuple[Path, int, str]:
+def _stage(
+    response: httpx.Response, url: str, settings: Settings, deadline: float, into: Path | None
+) -> tuple[Path, int, str]:
     """Stream the body into a staging file, then rename it to its sha256. Returns path, size, digest."""
     limit = settings.max_dataset_bytes
     declared = response.headers.get("content-length", "")
@@ -419,7 +481,7 @@ def _stage(response: httpx.Response, url: str, settings: Settings, deadline: flo
         raise InvalidUri(
             f"the dataset is {declared} bytes, over the limit of {limit}", error="dataset_too_large"
         )
-    downloads = (settings.data_dir / "downloads").resolve()
+    downloads = (into or settings.data_dir / "downloads").resolve()
     downloads.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     size = 0

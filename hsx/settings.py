@@ -78,6 +78,12 @@ class Settings(BaseSettings):
     check_output_space: bool = True
     # Chat records encoded at prepare to estimate the output's size.
     projection_sample_records: int = 64
+    # Scheduling niceness of worker (and synthetic engine) processes: above 0 lets an API on the same host
+    # answer first when the cores are busy.
+    worker_nice: int = 0
+
+    # How stale a polled GET /jobs/{id} may be (app/jobs/document_cache.py); 0 renders every request.
+    job_document_ttl_seconds: float = 0.25
 
     # Security and input limits.
     api_token: SecretStr | None = None
@@ -93,12 +99,25 @@ class Settings(BaseSettings):
     # Empty: data_dir, plus the API's working directory unless that is "/" or a top-level directory.
     dataset_roots: Annotated[list[Path], NoDecode] = []
     max_dataset_bytes: int = 10 << 30
-    # s3:// buckets a dataset URI may name (s3 itself is not installed yet)
+    # s3:// buckets a dataset URI or an output URI may name
     allowed_buckets: Annotated[list[str], NoDecode] = []
     http_timeout_seconds: float = 30.0  # connect and per-read timeout of one dataset download
     http_download_deadline_seconds: float = 1800.0  # whole download, so a trickling server cannot hold on
     max_sample_tokens: int = 131072
 
+    # Object storage for s3:// datasets and outputs (the ``interop`` extra). Credentials come from the
+    # standard AWS chain (environment, shared config, instance role), never from these settings.
+    s3_endpoint_url: str = ""  # empty: AWS itself; set for MinIO, Ceph or a local test server
+    s3_region: str = ""
+    s3_multipart_threshold_bytes: int = 64 << 20  # files this large or larger go up in parts
+    s3_part_bytes: int = 64 << 20  # S3 needs at least 5 MiB per part except the last
+
+    # Trainer-format exports made through the API: one folder per export, with its status file beside it.
+    exports_dir: Path = Path("")  # empty: data_dir / "exports"
+
+    # Besides the output directory, publish each finished job to <output_uri>/<job_id> (s3://bucket/prefix;
+    # the bucket must be in allowed_buckets). A job succeeds only once every object is confirmed there.
+    output_uri: str = ""
     # Logs: "json" (one object a line) or "text" (key=value); both carry job, unit, attempt and rid.
     log_format: Literal["json", "text"] = "text"
     log_level: str = "INFO"
@@ -129,6 +148,11 @@ class Settings(BaseSettings):
         path = (
             self.model_cache_dir if str(self.model_cache_dir) not in ("", ".") else self.data_dir / "models"
         )
+        return path.resolve()
+
+    @property
+    def resolved_exports_dir(self) -> Path:
+        path = self.exports_dir if str(self.exports_dir) not in ("", ".") else self.data_dir / "exports"
         return path.resolve()
 
     @property

@@ -14,6 +14,7 @@ pytest_plugins = [
     "tests.fixtures.tokenizer",
     "tests.fixtures.stack",
     "tests.fixtures.synthetic",
+    "tests.fixtures.s3",
 ]
 
 PG_ADMIN_URL = os.environ.get("HSX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test")

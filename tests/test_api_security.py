@@ -94,8 +94,9 @@ def test_twenty_parallel_submissions_with_one_key_make_one_job(api: tuple[Stack,
     ids = {r.json()["id"] for r in answers}
     assert len(ids) == 1
     assert job_count(stack) == 1
-    units = stack.job(ids.pop())["progress"]["units_total"]
-    assert queued(stack) == min(units, 8), "the one job's wake-ups, enqueued once"
+    # Units are made by the worker that prepares the job; the API wakes one worker, once.
+    assert stack.job(ids.pop())["progress"]["units_total"] == 0
+    assert queued(stack) == 1, "the one job's wake-up, enqueued once"
 
 
 # --- 10. the token guards every route ---------------------------------------------------------------------
@@ -311,11 +312,15 @@ def test_a_redirect_to_a_private_address_is_refused(
     recorder: tuple[type[_Recorder], int],
     monkeypatch: pytest.MonkeyPatch,
     target: str,
+    tmp_path: Path,
 ) -> None:
-    """The first hop must pass the address check for the redirect to be seen at all, and the only server a
-    test may reach is on loopback, which the check refuses: so the check lets that one first hop through
-    (once), and every later hop is judged for real, before any connection."""
+    """A download happens in the worker that prepares the job (workers.sources), never in the request; each
+    hop is judged there. The first hop must pass the address check for the redirect to be seen at all, and
+    the only server a test may reach is on loopback, which the check refuses: so the check lets that one
+    first hop through (once), and every later hop is judged for real, before any connection."""
     import hsx.dataset_uri as dataset_uri
+    from workers.dataset import DatasetError
+    from workers.sources import materialize
 
     stack = stack_no_engine
     handler, port = recorder
@@ -330,10 +335,11 @@ def test_a_redirect_to_a_private_address_is_refused(
         return real(address)
 
     monkeypatch.setattr(dataset_uri, "is_public_address", public_once)
-    body = refused(stack, f"http://127.0.0.1:{port}/go")
-    assert body["error"] == "address_not_public", body
+    with pytest.raises(DatasetError) as refused_by_worker:
+        materialize(f"http://127.0.0.1:{port}/go", tmp_path / "prepared", stack.settings)
+    assert refused_by_worker.value.reason == "address_not_public", refused_by_worker.value
     assert handler.requests == ["/go"], "only the first hop was fetched"
-    assert job_count(stack) == 0 and queued(stack) == 0
+    assert not any((tmp_path / "prepared").rglob("*.jsonl")), "nothing was kept"
 
 
 def test_hostile_job_ids_are_not_found_on_every_job_route(api: tuple[Stack, str]) -> None:
@@ -343,7 +349,7 @@ def test_hostile_job_ids_are_not_found_on_every_job_route(api: tuple[Stack, str]
     stack, base = api
     spec = create_app().openapi()
     job_routes = [(m.upper(), p) for p, ops in spec["paths"].items() for m in ops if "{job_id}" in p]
-    assert len(job_routes) == 7
+    assert len(job_routes) == 10
     ids = [
         "%00",
         "a%00b",
@@ -354,8 +360,10 @@ def test_hostile_job_ids_are_not_found_on_every_job_route(api: tuple[Stack, str]
     ]
     with httpx.Client(base_url=base, headers=AUTH, timeout=30) as client:
         for method, path in job_routes:
+            # A well-formed body where one is needed, so that the id is what gets the request refused.
+            body = {"json": {"format": "modelopt"}} if path.endswith("/exports") and method == "POST" else {}
             for job_id in ids:
-                r = client.request(method, path.replace("{job_id}", job_id))
+                r = client.request(method, path.replace("{job_id}", job_id), **body)
                 assert r.status_code == 404, (method, path, job_id[:20], r.status_code, r.text[:300])
                 assert r.json()["error"] in ("job_not_found", "not_found")
     assert job_count(stack) == 0

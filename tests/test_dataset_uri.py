@@ -200,16 +200,44 @@ def test_allowed_but_unknown_scheme_is_refused(tree: Path) -> None:
     assert refusal("ftp://example.com/x", settings).error == "uri_scheme_not_supported"
 
 
-def test_s3_needs_an_allowed_bucket_and_then_says_it_is_not_installed(tree: Path) -> None:
+def test_s3_needs_the_scheme_an_allowed_bucket_and_a_plain_key(tree: Path) -> None:
     assert refusal("s3://datasets/chats.jsonl", make_settings(tree)).error == "uri_scheme_not_allowed"
     with_s3 = make_settings(tree, allowed_uri_schemes=["s3"], allowed_buckets=["datasets"])
     error = refusal("s3://other-bucket/chats.jsonl", with_s3)
     assert (error.error, error.status_code) == ("bucket_not_allowed", 403)
-    error = refusal("s3://datasets/chats.jsonl", with_s3)
-    assert error.error == "s3_support_not_installed"
-    assert "not installed" in error.detail
     assert refusal("s3://datasets/", with_s3).error == "invalid_uri"
     assert refusal("s3://key:secret@datasets/chats.jsonl", with_s3).error == "invalid_uri"
+    for bad in ("s3://datasets/a/../../b.jsonl", "s3://datasets/a/%2e%2e/b", "s3://datasets/x?versionId=1"):
+        with pytest.raises(UriRefused):
+            check_dataset_uri(bad, with_s3)
+    with pytest.raises(ForbiddenUri):
+        check_dataset_uri("s3://other-bucket/chats.jsonl", with_s3)
+    # Submit-time: shape and bucket only, nothing is fetched. A local file is what resolve answers with,
+    # and an s3 object is read by the worker, so resolve says so.
+    check_dataset_uri("s3://datasets/chats.jsonl", with_s3)
+    assert refusal("s3://datasets/chats.jsonl", with_s3).error == "s3_read_by_worker"
+
+
+def test_a_datasets_folder_passes_the_check_and_other_folders_do_not(tree: Path) -> None:
+    settings = make_settings(tree)
+    folder = tree / "root" / "saved"
+    folder.mkdir()
+    (folder / "data-00000-of-00001.arrow").write_bytes(b"x" * 100)
+    with pytest.raises(UriRefused) as caught:
+        check_dataset_uri("saved", settings)
+    assert caught.value.error == "not_a_file"
+    (folder / "state.json").write_text("{}")
+    check_dataset_uri("saved", settings)
+    check_dataset_uri(f"file://{folder}", settings)
+    assert refusal("saved", settings).error == "not_a_file"  # resolve answers only with a regular file
+    assert refusal("sub", settings).error == "not_a_file"
+    small = make_settings(tree, max_dataset_bytes=50)
+    with pytest.raises(UriRefused) as caught:
+        check_dataset_uri("saved", small)
+    assert caught.value.error == "dataset_too_large"
+    (folder / "escape.arrow").symlink_to(tree / "secret.txt")
+    with pytest.raises(ForbiddenUri):
+        check_dataset_uri("saved", settings)
 
 
 # Addresses

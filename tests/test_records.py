@@ -142,8 +142,8 @@ def test_json_array_is_converted_once_and_read_like_the_array(tmp_path: Path, pe
     array.write_bytes(b"\xef\xbb\xbf\n  " + json.dumps(records, indent=2, ensure_ascii=False).encode())
     work = tmp_path / "out" / ".prepared"
     converted = local_records(str(array), work)
-    assert converted == str(work / "records.jsonl")
-    assert sorted(p.name for p in work.iterdir()) == ["records.jsonl"]  # no temp file left
+    assert converted == str(work / "source.jsonl")
+    assert sorted(p.name for p in work.iterdir()) == ["source.jsonl"]  # no temp file left
     prepared = plan_units(converted, per_unit)
     assert prepared.samples == len(records)
     last = len(records) - 1  # pre-tokenized: workers.dataset does not know that kind of record

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hsx import contract
+from hsx.engine_client import Dump, as_float32
 from hsx.settings import Settings
 from tests.fixtures.engine import RunningEngine, captured_rid, unique_prompt
-from hsx.engine_client import Dump, as_float32
 from workers.engines.model_store import DEFAULT_MODEL, convert_gguf, resolve_model_dir
 from workers.engines.reference.cli import build_parser
 from workers.engines.reference.engine import PrefixCache, tensor_bytes
@@ -160,7 +160,7 @@ def test_a_rid_already_in_flight_is_refused(engine_nocache: RunningEngine) -> No
         )
 
     queued_rid = captured_rid("dup")
-    long_request = threading.Thread(target=send, args=("long", unique_prompt(400), captured_rid("long")))
+    long_request = threading.Thread(target=send, args=("long", unique_prompt(3000), captured_rid("long")))
     long_request.start()
     time.sleep(0.5)
     queued = threading.Thread(target=send, args=("queued", unique_prompt(3), queued_rid))

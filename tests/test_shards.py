@@ -22,6 +22,7 @@ import pytest
 from hsx import contract, loader
 from hsx.manifest import Manifest, ManifestError, relative_shard_path
 from hsx.safetensors_io import encode_header, read_file
+from hsx.validation import NON_FINITE, SampleRejected
 from tests.fixtures.v1_shards import (
     AUX,
     FINAL,
@@ -43,7 +44,6 @@ from tests.fixtures.v1_shards import (
 from workers.dump_file import open_dump
 from workers.engines.synthetic.engine import SyntheticConfig, SyntheticEngine, expected_state
 from workers.shards import ShardStream, ShardWriteError, canonical_state_dtype, data_sha256
-from hsx.validation import NON_FINITE, SampleRejected
 
 
 @pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])

@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 
 from hsx import contract
+from hsx.engine_client import EngineClient, read_dump
 from hsx.local_stack import free_port, hsx_command, local_stack, wait_http
 from hsx.safetensors_io import read_file
-from hsx.engine_client import EngineClient, read_dump
+from hsx.validation import validate_dump
 from workers.engines.synthetic.engine import (
     SyntheticConfig,
     SyntheticEngine,
     expected_state,
     pattern_table,
 )
-from hsx.validation import validate_dump
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HIDDEN, LAYERS = 32, 8

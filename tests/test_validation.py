@@ -10,9 +10,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from hsx import contract
-from tests.fixtures.engine import RunningEngine, captured_rid, unique_prompt
-from hsx import validation
+from hsx import contract, validation
 from hsx.engine_client import (
     Dump,
     DumpCorrupt,
@@ -24,6 +22,7 @@ from hsx.engine_client import (
     read_dump,
 )
 from hsx.validation import SampleRejected, validate_dump
+from tests.fixtures.engine import RunningEngine, captured_rid, unique_prompt
 
 HIDDEN = 576
 

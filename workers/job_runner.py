@@ -212,7 +212,9 @@ class JobRunner:
         )
         try:
             with self._prepare_lease():
-                prepared = prepare(job.dataset_path, job.output_dir, per_unit, projector.observe)
+                prepared = prepare(
+                    job.dataset_path, job.output_dir, per_unit, self.settings, projector.observe
+                )
                 projection = projector.finish(len(prepared.units))
         except DatasetError as exc:
             return self._fail_prepare(f"dataset {exc.reason}: {exc.detail}")

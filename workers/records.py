@@ -1,8 +1,9 @@
 """A job's records: prepared once per job, then read one unit at a time by byte range.
 
 Preparing (the first step of a job, done by one worker under a lease, never inside the API request):
-the dataset becomes a local JSONL file (a JSONL dataset is used in place; a JSON array is converted once
-into ``<output_dir>/.prepared/records.jsonl``), which is scanned once to find where every unit's records
+the dataset becomes a local JSONL file (a local JSONL dataset is used in place; a JSON array, Parquet, a
+``datasets`` folder or a remote dataset is converted or fetched once into ``<output_dir>/.prepared/`` by
+:mod:`workers.sources`), which is scanned once to find where every unit's records
 begin and end. A unit then reads exactly its own bytes: the cost of a unit does not grow with the
 dataset, and no index is loaded per unit.
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hsx.settings import Settings, get_settings
 from workers.dataset import (
     EMPTY_CONVERSATION,
     MALFORMED_JSON,
@@ -36,7 +38,6 @@ from workers.dataset import (
 )
 
 PREPARED_DIR = ".prepared"
-RECORDS_FILE = "records.jsonl"
 DATASET_CHANGED = "dataset_changed"
 
 
@@ -71,27 +72,15 @@ def prepared_dir(output_dir: str | os.PathLike[str]) -> Path:
     return Path(output_dir) / PREPARED_DIR
 
 
-def local_records(dataset_path: str, work_dir: Path) -> str:
-    """A local JSONL file holding the dataset's records, one per line."""
-    if detect_layout(dataset_path) == "jsonl":
-        return dataset_path
-    target = work_dir / RECORDS_FILE
-    records = _load_array(dataset_path)  # once per job, in a worker
-    work_dir.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for record in records:
-                # ASCII escapes: a record may hold lone surrogates, which are valid JSON but not UTF-8.
-                fh.write(json.dumps(record, separators=(",", ":")))
-                fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return str(target)
+def local_records(dataset: str, work_dir: Path, settings: Settings | None = None) -> str:
+    """A local JSONL file holding the dataset's records, one per line: a local JSONL file as it is;
+    anything else (a JSON array, Parquet, a ``datasets`` folder, an http(s) or s3:// URI) converted or
+    fetched once into ``work_dir`` by :mod:`workers.sources`."""
+    from workers import sources
+
+    if os.path.exists(dataset):
+        return str(sources.as_jsonl(Path(dataset), work_dir))
+    return str(sources.materialize(dataset, work_dir, settings or get_settings()))
 
 
 # Called with every record's line during the planning pass (the output's size is projected from them).
@@ -126,9 +115,15 @@ def plan_units(
 
 
 def prepare(
-    dataset_path: str, output_dir: str, samples_per_unit: int, observe: LineObserver | None = None
+    dataset: str,
+    output_dir: str,
+    samples_per_unit: int,
+    settings: Settings | None = None,
+    observe: LineObserver | None = None,
 ) -> PreparedRecords:
-    return plan_units(local_records(dataset_path, prepared_dir(output_dir)), samples_per_unit, observe)
+    """``dataset``: the local path the API resolved, or the URI of a remote dataset. ``observe`` sees every
+    record's line during the planning pass."""
+    return plan_units(local_records(dataset, prepared_dir(output_dir), settings), samples_per_unit, observe)
 
 
 def parse_record(line: bytes, record_format: RecordFormat = "auto") -> Record:
@@ -245,6 +240,11 @@ def inspect_head(path: str, max_bytes: int, head_records: int = 8) -> str:
         raise DatasetError("not_found", f"cannot read {path}: {exc.strerror}") from exc
     if size > max_bytes:
         raise DatasetError("too_large", f"{size} bytes, the limit is {max_bytes}")
+    if os.path.isdir(path):
+        return "deferred"  # a datasets folder: read by the worker that prepares the job
+    with open(path, "rb") as fh:
+        if fh.read(4) == b"PAR1":
+            return "deferred"  # Parquet, likewise
     head: list[Any] = []
     if detect_layout(path) == "json_array":
         if size > SMALL_ARRAY_BYTES:

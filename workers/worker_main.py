@@ -78,6 +78,8 @@ def preload() -> None:
 
 
 def run_worker(settings: Settings, burst: bool = False, reconcile: bool = True) -> int:
+    if settings.worker_nice > 0:
+        os.nice(settings.worker_nice)
     configure_logging(settings.log_format, settings.log_level)
     preload()
     reconciler = ReconcilerThread(settings) if reconcile else None

@@ -8,9 +8,11 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
 
 from app.deps import SessionDep, SettingsDep
 from app.jobs import schemas
+from app.jobs.document_cache import DocumentCache
 from app.jobs.service import JobService
 from hsx.errors import UnsupportedMediaType
 from hsx.jobs import repository as repo
+from hsx.settings import Settings
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -78,10 +80,26 @@ def list_jobs(
     return schemas.JobPage(items=[service.summary(j) for j in jobs], total=total, limit=limit, offset=offset)
 
 
+_documents: DocumentCache | None = None
+
+
+def document_cache(settings: Settings) -> DocumentCache:
+    global _documents
+    if _documents is None or _documents.ttl != settings.job_document_ttl_seconds:
+        _documents = DocumentCache(settings.job_document_ttl_seconds)
+    return _documents
+
+
 @router.get("/{job_id}", response_model=schemas.JobOut, responses=ERRORS)
-def get_job(job_id: str, session: SessionDep, settings: SettingsDep) -> schemas.JobOut:
-    service = JobService(session, settings)
-    return service.document(service.get(job_id))
+def get_job(job_id: str, session: SessionDep, settings: SettingsDep) -> Response:
+    cache = document_cache(settings)
+    body = cache.get(job_id)
+    if body is None:
+        service = JobService(session, settings)
+        body = service.document(service.get(job_id)).model_dump_json().encode()
+        cache.put(job_id, body)
+    # Already rendered through JobOut: sent as it is rather than validated and serialised again.
+    return Response(content=body, media_type="application/json")
 
 
 @router.get("/{job_id}/shards", response_model=schemas.ShardPage, responses=ERRORS)
@@ -146,4 +164,6 @@ def retry_job(job_id: str, session: SessionDep, settings: SettingsDep) -> schema
 @router.post("/{job_id}/cancel", response_model=schemas.JobOut, responses=ERRORS)
 def cancel_job(job_id: str, session: SessionDep, settings: SettingsDep) -> schemas.JobOut:
     service = JobService(session, settings)
-    return service.document(service.cancel(job_id))
+    document = service.document(service.cancel(job_id))
+    document_cache(settings).forget(job_id)
+    return document

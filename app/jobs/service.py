@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from app.jobs import schemas
 from hsx import engine_fitness
-from hsx.dataset_uri import resolve_dataset_uri
+from hsx.dataset_uri import check_dataset_uri, resolve_local_dataset, uri_scheme
 from hsx.db.models import Job, JobState
 from hsx.engine_client import EngineClient, EngineError
 from hsx.errors import BadRequest, Conflict, NotFound, Unprocessable
@@ -63,20 +63,25 @@ class JobService:
             existing = repo.get_job_by_idempotency_key(self.session, key)
             if existing is not None:
                 return self._same_request(existing, digest), False
-        dataset = resolve_dataset_uri(body.dataset_uri, self.settings)
-        try:
-            # Bounded work only: counting, indexing and converting are the job's first step, in a worker.
-            inspect_head(str(dataset.path), self.settings.max_dataset_bytes)
-        except DatasetError as exc:
-            raise BadRequest(exc.detail, error=f"dataset_{exc.reason}") from exc
+        # Bounded work only: downloading, converting, counting and indexing are the job's first step, done
+        # by a worker. A local dataset is vetted and its head read; a remote one is checked without transfer.
+        if uri_scheme(body.dataset_uri, self.settings) == "file":
+            local = resolve_local_dataset(body.dataset_uri, self.settings)
+            dataset_path = str(local.path)
+            try:
+                inspect_head(dataset_path, self.settings.max_dataset_bytes)
+            except DatasetError as exc:
+                raise BadRequest(exc.detail, error=f"dataset_{exc.reason}") from exc
+        else:
+            check_dataset_uri(body.dataset_uri, self.settings)
+            dataset_path = body.dataset_uri
         self._check_engine(body.options)
         job_id = str(uuid.uuid4())
         job = Job(
             id=job_id,
             state=JobState.queued.value,
             dataset_uri=body.dataset_uri,
-            dataset_path=str(dataset.path),
-            dataset_sha256=getattr(dataset, "sha256", None),
+            dataset_path=dataset_path,
             options=body.options.model_dump(mode="json"),
             idempotency_key=key,
             request_hash=digest,
@@ -221,13 +226,12 @@ class JobService:
 
     def shards(self, job: Job, limit: int, offset: int) -> tuple[list[schemas.ShardOut], int]:
         """One page of the job's shards in order, and how many there are."""
-        # The repository has no paginated shard query yet; rows are small (a path, a digest, counts).
-        rows = repo.list_shards(self.session, job.id)
+        rows = repo.list_shards(self.session, job.id, limit, offset)
         page = [
             schemas.ShardOut(path=s.path, sha256=s.sha256, bytes=s.bytes, samples=s.samples, tokens=s.tokens)
-            for s in rows[offset : offset + limit]
+            for s in rows
         ]
-        return page, len(rows)
+        return page, repo.shard_count(self.session, job.id)
 
     def document(self, job: Job) -> schemas.JobOut:
         manifest = Path(job.output_dir) / MANIFEST_NAME

@@ -146,9 +146,12 @@ async function loadJob() {
   document.getElementById("job-rejections").replaceChildren(
     ...(reasons.length ? reasons.map(([r, n]) => el("tr", {}, el("td", { class: "mono" }, r), el("td", {}, n)))
                        : [el("tr", {}, el("td", { class: "muted" }, "none"))]));
-  document.getElementById("job-shards").replaceChildren(...doc.shards.map((s) => el("tr", {},
+  // The job document shows the first shards; the rest are a page away (doc.shards.href).
+  const more = doc.shards.total - doc.shards.items.length;
+  document.getElementById("job-shards").replaceChildren(...doc.shards.items.map((s) => el("tr", {},
     el("td", { class: "mono", title: s.path }, s.path.split("/").pop()), el("td", {}, s.samples), el("td", {}, s.tokens),
-    el("td", {}, fmtBytes(s.bytes)), el("td", { class: "mono", title: s.sha256 }, s.sha256.slice(0, 12)))));
+    el("td", {}, fmtBytes(s.bytes)), el("td", { class: "mono", title: s.sha256 }, s.sha256.slice(0, 12)))),
+    ...(more > 0 ? [el("tr", {}, el("td", { class: "muted" }, `… and ${more} more (${doc.shards.href})`))] : []));
   const unitRows = units.ok ? units.doc.items : [];
   document.getElementById("job-units").replaceChildren(...unitRows.map((u) => el("tr", {},
     el("td", {}, u.unit_index), el("td", { class: "state " + (u.state === "done" ? "succeeded" : "running") }, u.state),

@@ -69,6 +69,9 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
             },
             extra={"dataset_uri": job.dataset_uri, "options": dict(job.options)},
         )
+        published_to = _destination(job_id)
+        if published_to:
+            manifest.extra["published_to"] = published_to
         try:
             out.mkdir(parents=True, exist_ok=True)
             _remove_dead_shard_temps(out)
@@ -79,10 +82,44 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
             if repo.set_job_state(session, job_id, JobState.failed, [JobState.running.value], error=reason):
                 log.error("job %s failed: %s", job_id, reason)
             return True
+        if published_to:
+            # Succeeded only once every object is confirmed in the store; the upload resumes where it
+            # stopped, so a crash here is repaired by the next finalize (a worker's, or the reconciler's).
+            problem = _publish(out, published_to)
+            if problem is not None:
+                if repo.set_job_state(
+                    session, job_id, JobState.failed, [JobState.running.value], error=problem
+                ):
+                    log.error("job %s failed: %s", job_id, problem)
+                return True
         done = repo.set_job_state(session, job_id, JobState.succeeded, [JobState.running.value])
     if done:
         log.info("job %s succeeded", job_id)
     return True
+
+
+def _destination(job_id: str) -> str:
+    """Where a finished job's output is published besides its output directory (``HSX_OUTPUT_URI``)."""
+    from hsx.settings import get_settings
+
+    base = get_settings().output_uri.rstrip("/")
+    return f"{base}/{job_id}" if base else ""
+
+
+def _publish(out: Path, destination: str) -> str | None:
+    """Upload the output; None when every object is confirmed, else why not (the job then fails). An
+    unreachable store raises instead, so the job stays running and the next finalize tries again."""
+    from hsx.settings import get_settings
+    from hsx.storage import StorageError, upload_output
+
+    try:
+        report = upload_output(out, destination, get_settings())
+    except StorageError as exc:
+        if exc.error == "unreachable":
+            raise
+        return f"could not publish the output to {destination}: {exc.detail}"
+    log.info("published %d objects to %s", len(report.objects), destination)
+    return None
 
 
 def _remove_dead_shard_temps(out: Path) -> None:

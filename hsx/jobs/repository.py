@@ -485,15 +485,19 @@ def leased_units(session: Session, job_id: str) -> list[WorkUnit]:
 # --- shards and rejections --------------------------------------------------------------------------------
 
 
-def list_shards(session: Session, job_id: str) -> list[Shard]:
-    return list(
-        session.scalars(
-            select(Shard)
-            .join(WorkUnit, Shard.unit_id == WorkUnit.id)
-            .where(Shard.job_id == job_id)
-            .order_by(WorkUnit.unit_index)
-        ).all()
+def list_shards(session: Session, job_id: str, limit: int | None = None, offset: int = 0) -> list[Shard]:
+    query = (
+        select(Shard)
+        .join(WorkUnit, Shard.unit_id == WorkUnit.id)
+        .where(Shard.job_id == job_id)
+        .order_by(WorkUnit.unit_index)
+        .offset(offset)
     )
+    return list(session.scalars(query if limit is None else query.limit(limit)).all())
+
+
+def shard_count(session: Session, job_id: str) -> int:
+    return int(session.scalar(select(func.count()).select_from(Shard).where(Shard.job_id == job_id)) or 0)
 
 
 def list_truncations(session: Session, job_id: str, limit: int, offset: int) -> tuple[list[Truncation], int]:

@@ -52,6 +52,8 @@ def main(argv: list[str]) -> int:
     from workers.engines.synthetic.server import create_app
 
     settings = get_settings()
+    if settings.worker_nice > 0:  # the synthetic engine stands in for work a GPU does: it yields to the API
+        os.nice(settings.worker_nice)
     tokenizer = args.tokenizer
     try:
         if tokenizer == "default":
