@@ -158,7 +158,9 @@ def retry_job(job_id: str, session: SessionDep, settings: SettingsDep) -> schema
     """Run a failed, cancelled or finished job again: its failed units, and its samples rejected for an
     engine-side reason (cached_tokens, dump_missing, engine_timeout, ...). Published samples stay."""
     service = JobService(session, settings)
-    return service.document(service.retry(job_id))
+    document = service.document(service.retry(job_id))
+    document_cache(settings).forget(job_id)
+    return document
 
 
 @router.post("/{job_id}/cancel", response_model=schemas.JobOut, responses=ERRORS)
