@@ -162,12 +162,15 @@ def test_exit_codes_for_cancelled_failed_unknown_and_unreachable(stack: Stack, a
     watched = hsx(stack, "watch", queued["id"], "--json", "--api-url", api_url)
     assert watched.returncode == EXIT_CANCELLED and json.loads(watched.stdout)["state"] == "cancelled"
 
-    # Layers the engine does not capture: the worker fails the job when it starts it.
-    failing = stack.submit(SAMPLE, aux_layers=[0, 1, 2, 3])
+    # The dataset is deleted between submit and prepare: the worker fails the job, saying so.
+    gone = stack.tmp / "gone.jsonl"
+    shutil.copy(SAMPLE, gone)
+    failing = stack.submit(gone)
+    gone.unlink()
     stack.start_worker()
     failed = hsx(stack, "watch", failing["id"], "--interval", "0.3", "--api-url", api_url)
     assert failed.returncode == EXIT_FAILED, (failed.stdout, failed.stderr, stack.logs())
-    assert "aux layers" in failed.stdout
+    assert "dataset" in failed.stdout
 
     unknown = hsx(stack, "status", "no-such-job", "--api-url", api_url)
     assert unknown.returncode == EXIT_REFUSED and "job_not_found" in unknown.stderr
