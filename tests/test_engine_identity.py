@@ -5,12 +5,17 @@ the engines it met and why each was unfit; ``/readyz`` and ``hsx verify`` say wh
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.fixtures.live_server import serve_in_thread
 from tests.fixtures.stack import REPO, make_stack
 from tests.fixtures.synthetic import Engines, tokenizer_copy, write_pretokenized
 from tests.test_job_recovery import runner, unit_rows
@@ -71,6 +76,24 @@ def test_another_checkpoint_of_the_same_shape_never_takes_a_unit(
     runner(job_engine.url)(job_id).run()
     done = stack.job(job_id)
     assert done["state"] == "succeeded" and owners(stack, job_id) == {job_engine.url}
+    # The same through the command line, against the API over HTTP.
+    with serve_in_thread(stack.client.app) as api_url:
+        verify = hsx_cli(stack, "verify", "--engine-url", other.url, "--job", job_id, "--api-url", api_url)
+        assert verify.returncode == 1 and "another checkpoint" in verify.stdout, verify
+        retry = hsx_cli(stack, "retry", job_id, "--json", "--api-url", api_url)
+        assert retry.returncode == 2 and json.loads(retry.stdout)["error"] == "nothing_to_retry", retry
+
+
+def hsx_cli(stack: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **stack.env, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "hsx.cli", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @postgres_only
