@@ -27,6 +27,9 @@ DEFAULT_BACKOFF_SECONDS = 0.5
 # Statuses that say the server is not an hsx engine (or not this route's), whatever the request: the
 # engine is unfit, not the sample.
 ENGINE_LEVEL_STATUSES = frozenset({401, 403, 404, 405})
+# /hsx/info is answered at once by a live engine, however long its prefills take (their timeout is
+# HSX_ENGINE_TIMEOUT_SECONDS): a frozen engine is found out in seconds, not in a prefill's time.
+INFO_TIMEOUT_SECONDS = 15.0
 
 # How a dump's safetensors dtype is held in numpy; bf16 has no numpy type, so its words stay uint16.
 NUMPY_DTYPES: dict[str, npt.DTypeLike] = {
@@ -117,6 +120,7 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.retries = max(0, retries)
         self.policy = engine_policy(retries, backoff)
+        self.timeout = timeout
         # Connecting is quick or hopeless; only the prefill itself may take long.
         self._http = httpx.Client(
             base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0))
@@ -134,7 +138,7 @@ class EngineClient:
     def info(self) -> contract.EngineInfo:
         """``GET /hsx/info``; raises :class:`EngineUnfit` when the server is not an hsx engine."""
         try:
-            raw = self._request("GET", contract.INFO_PATH)
+            raw = self._request("GET", contract.INFO_PATH, timeout=INFO_TIMEOUT_SECONDS)
         except EngineRejected as exc:
             raise EngineUnfit(
                 f"{self.base_url}{contract.INFO_PATH} answered HTTP {exc.status} ({exc}): not an hsx engine "
@@ -175,10 +179,14 @@ class EngineClient:
     def delete_dump(self, dump_dir: str, rid: str) -> None:
         delete_dump(dump_dir, rid)
 
-    def _request(self, method: str, path: str, json: Any = None) -> Any:
+    def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> Any:
+        limit: Any = httpx.USE_CLIENT_DEFAULT
+        if timeout is not None:
+            limit = httpx.Timeout(min(timeout, self.timeout), connect=min(timeout, self.timeout, 10.0))
+
         def once() -> Any:
             try:
-                response = self._http.request(method, path, json=json)
+                response = self._http.request(method, path, json=json, timeout=limit)
             except httpx.ReadTimeout as exc:
                 if method != "GET":
                     raise EngineTimeout(f"{method} {path}: no answer within the timeout ({exc})") from exc

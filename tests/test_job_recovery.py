@@ -412,3 +412,17 @@ def test_migrations_match_the_models(tmp_path: Path) -> None:
     with engine_for(url).connect() as conn:
         diffs = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diffs == [], diffs
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [{"meta_info": {}}, {"meta_info": {"cached_tokens": None}}, {"meta_info": {"cached_tokens": -1}}, {}],
+)
+def test_a_reply_without_cached_tokens_makes_the_engine_unfit_not_zero(reply: dict[str, Any]) -> None:
+    """Without the count, a prefix-cache hit could not be told from a full prefill: never read as 0."""
+    from hsx.engine_client import EngineUnfit
+    from workers.unit_processor import reported_cached_tokens
+
+    with pytest.raises(EngineUnfit, match="cached_tokens"):
+        reported_cached_tokens(reply)
+    assert reported_cached_tokens({"meta_info": {"cached_tokens": 0}}) == 0

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from hsx import contract
+from hsx.errors import ReasonError
 from hsx.model_identity import model_fingerprint
 
 log = logging.getLogger(__name__)
@@ -33,13 +34,8 @@ HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK_"
 KvLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class RequestRejected(Exception):
-    """A request the engine refuses; the server answers it with HTTP 400."""
-
-    def __init__(self, error: str, detail: str) -> None:
-        super().__init__(f"{error}: {detail}")
-        self.error = error
-        self.detail = detail
+class RequestRejected(ReasonError):
+    """A request the engine refuses; the server answers it with HTTP 400 ``{"error", "detail"}``."""
 
 
 @dataclass(frozen=True)
