@@ -23,8 +23,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,9 +47,9 @@ from hsx.settings import Settings
 from workers.dataset import DatasetError
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.faults import crash_point
+from workers.job_prepare import JobPreparer
 from workers.lease import LeaseKeeper
-from workers.output_size import OutputProjector, free_bytes
-from workers.records import UnitRange, prepare, read_unit_records
+from workers.records import UnitRange, read_unit_records
 from workers.shards import ShardWriteError, data_sha256
 from workers.unit_processor import TRUNCATE, UnitAborted, UnitProcessor, UnitResult
 
@@ -195,87 +193,10 @@ class JobRunner:
             processor.close()
 
     def _prepare(self, job: JobView, info: EngineInfo) -> bool:
-        """Index the dataset, create the units and project the output's size, once per job; False when
-        this worker did not (another prepares it, or the job failed here)."""
-        with session_scope(self.db_url) as session:
-            if not repo.begin_prepare(
-                session, self.job_id, self.owner, self.settings.lease_seconds, time.time()
-            ):
-                return False
-        per_unit = int(job.options.get("samples_per_shard") or self.settings.samples_per_unit)
-        projector = OutputProjector(
-            info,
-            job.options.get("max_length"),
-            str(job.options.get("truncation", TRUNCATE)),
-            lambda: self._chat_encoder(info, job.options),
-            self.settings.projection_sample_records,
+        preparer = JobPreparer(self.job_id, self.settings, self.owner)
+        return preparer.prepare(
+            job.dataset_path, job.output_dir, job.options, info, lambda: self._chat_encoder(info, job.options)
         )
-        try:
-            with self._prepare_lease():
-                prepared = prepare(
-                    job.dataset_path, job.output_dir, per_unit, self.settings, projector.observe
-                )
-                projection = projector.finish(len(prepared.units))
-        except DatasetError as exc:
-            return self._fail_prepare(f"dataset {exc.reason}: {exc.detail}")
-        except OSError as exc:
-            return self._fail_prepare(
-                f"could not prepare the dataset {job.dataset_path}: {exc.strerror or exc}"
-            )
-        if prepared.samples == 0:
-            return self._fail_prepare("the dataset holds no samples")
-        if self.settings.check_output_space:
-            free = free_bytes(job.output_dir)
-            projection = type(projection)(**{**projection.to_dict(), "free_bytes": free})
-            if projection.bytes > free:
-                kind = "exactly" if projection.exact else "about"
-                return self._fail_prepare(
-                    f"not enough space for the output in {job.output_dir}: the job needs {kind} "
-                    f"{projection.bytes} bytes ({projection.basis}) and {free} are free"
-                )
-        units = [(u.sample_start, u.sample_end, u.byte_start, u.byte_end) for u in prepared.units]
-        with session_scope(self.db_url) as session:
-            done = repo.record_prepared(
-                session, self.job_id, self.owner, prepared.path, prepared.bytes, units, projection.to_dict()
-            )
-        log.info(
-            "job %s prepared: %d samples in %d units, output projected at %d bytes (%s)",
-            self.job_id,
-            prepared.samples,
-            len(units),
-            projection.bytes,
-            projection.basis,
-        )
-        return bool(done)
-
-    def _fail_prepare(self, reason: str) -> bool:
-        log.error("job %s failed: %s", self.job_id, reason)
-        with session_scope(self.db_url) as session:
-            recovery.fail_preparing_job(session, self.job_id, self.owner, reason)
-        return False
-
-    @contextmanager
-    def _prepare_lease(self) -> Iterator[None]:
-        """Keeps the prepare lease alive while a large dataset is converted and scanned."""
-        stop = threading.Event()
-
-        def beat() -> None:
-            while not stop.wait(self.settings.heartbeat_seconds):
-                try:
-                    with session_scope(self.db_url) as session:
-                        repo.begin_prepare(
-                            session, self.job_id, self.owner, self.settings.lease_seconds, time.time()
-                        )
-                except Exception as exc:  # noqa: BLE001 - the fence in record_prepared decides
-                    log.warning("prepare heartbeat failed: %s", exc)
-
-        thread = threading.Thread(target=beat, name="prepare-lease", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join(timeout=self.settings.heartbeat_seconds + 5)
 
     def _start(self, info: EngineInfo) -> None:
         """Move the (verified, prepared) job from queued to running, bound to this engine's identity. A

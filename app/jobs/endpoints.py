@@ -11,6 +11,7 @@ from app.jobs import schemas
 from app.jobs.document_cache import DocumentCache
 from app.jobs.service import JobService
 from hsx.errors import UnsupportedMediaType
+from hsx.jobs import document_queries
 from hsx.jobs import repository as repo
 from hsx.settings import Settings
 
@@ -143,7 +144,7 @@ def get_truncations(
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
 ) -> schemas.TruncationPage:
     JobService(session, settings).get(job_id)
-    rows, total = repo.list_truncations(session, job_id, limit, offset)
+    rows, total = document_queries.list_truncations(session, job_id, limit, offset)
     items = [
         schemas.TruncationOut(
             sample_index=t.sample_index, record_id=t.record_id, tokens=t.tokens, kept=t.kept

@@ -21,10 +21,11 @@ from hsx.dataset_uri import check_dataset_uri, resolve_local_dataset, uri_scheme
 from hsx.db.models import Job, JobState
 from hsx.engine_client import EngineClient, EngineError
 from hsx.errors import BadRequest, Conflict, NotFound, Unprocessable
-from hsx.jobs import recovery
+from hsx.jobs import document_queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import MANIFEST_NAME
 from hsx.jobs.queue import enqueue_wakeups
+from hsx.jobs.repository import LiveCounts
 from hsx.settings import Settings
 from hsx.validation import RETRIABLE_REASONS
 from workers.dataset import DatasetError
@@ -178,9 +179,9 @@ class JobService:
 
     def progress(self, job: Job) -> schemas.Progress:
         live = (
-            repo.live_counts(self.session, job.id, time.time())
+            document_queries.live_counts(self.session, job.id, time.time())
             if job.state == JobState.running.value
-            else repo.LiveCounts(0, 0, 0)
+            else LiveCounts(0, 0, 0)
         )
         done = job.samples_done + live.samples_done
         rejected = job.samples_rejected + live.samples_rejected

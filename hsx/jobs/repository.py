@@ -203,14 +203,6 @@ def job_state(session: Session, job_id: str) -> str | None:
     return session.scalar(select(Job.state).where(Job.id == job_id))
 
 
-def active_jobs(session: Session, limit: int = 100) -> list[Job]:
-    return list(
-        session.scalars(
-            select(Job).where(Job.state.in_(ACTIVE_STATES)).order_by(Job.created_at).limit(limit)
-        ).all()
-    )
-
-
 def active_job_ids(session: Session) -> list[str]:
     return list(session.scalars(select(Job.id).where(Job.state.in_(ACTIVE_STATES))).all())
 
@@ -498,34 +490,6 @@ def list_shards(session: Session, job_id: str, limit: int | None = None, offset:
 
 def shard_count(session: Session, job_id: str) -> int:
     return int(session.scalar(select(func.count()).select_from(Shard).where(Shard.job_id == job_id)) or 0)
-
-
-def list_truncations(session: Session, job_id: str, limit: int, offset: int) -> tuple[list[Truncation], int]:
-    rows = session.scalars(
-        select(Truncation)
-        .where(Truncation.job_id == job_id)
-        .order_by(Truncation.sample_index)
-        .limit(limit)
-        .offset(offset)
-    ).all()
-    total = session.scalar(select(func.count()).select_from(Truncation).where(Truncation.job_id == job_id))
-    return list(rows), int(total or 0)
-
-
-def live_counts(session: Session, job_id: str, now: float) -> LiveCounts:
-    """What the attempts holding live leases have handled so far (not yet committed)."""
-    row = session.execute(
-        select(
-            func.coalesce(func.sum(WorkUnit.live_samples_done), 0),
-            func.coalesce(func.sum(WorkUnit.live_samples_rejected), 0),
-            func.coalesce(func.sum(WorkUnit.live_tokens), 0),
-        ).where(
-            WorkUnit.job_id == job_id,
-            WorkUnit.state == UnitState.leased.value,
-            WorkUnit.lease_expires >= now,
-        )
-    ).one()
-    return LiveCounts(int(row[0]), int(row[1]), int(row[2]))
 
 
 def list_rejections(session: Session, job_id: str, limit: int, offset: int) -> tuple[list[Rejection], int]:
