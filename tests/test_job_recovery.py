@@ -13,10 +13,12 @@ import http.server
 import json
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.fixtures.stack import REPO, Stack, make_stack
@@ -320,10 +322,26 @@ def test_retry_reruns_engine_side_rejections_and_publishes_each_sample_once(
     from hsx.db.session import session_scope
     from hsx.jobs.repository import get_job
 
-    sample = REPO / "tests" / "data" / "short_chats.jsonl"
+    # Conversations of their own (the cache engine is shared by the session): a system prompt they share
+    # makes the cache hit, a tag no other test uses keeps other tests' prompts from hitting it.
+    tag = uuid.uuid4().hex[:8]
+    sample = tmp_path / "shared_prefix.jsonl"
+    with sample.open("w") as fh:
+        for i in range(6):
+            system = f"[{tag}] You are a patient tutor who explains every step of the arithmetic in detail."
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"What is {i} plus {i + 3}?"},
+                {"role": "assistant", "content": f"{i} plus {i + 3} is {2 * i + 3}."},
+            ]
+            fh.write(json.dumps({"messages": messages}) + "\n")
     stack = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch)
     job_id = stack.submit(sample, samples_per_shard=32, cache_namespace_per_request=False)["id"]
-    runner(engine_cache.url, preflight=False)(job_id).run()
+    try:
+        runner(engine_cache.url, preflight=False)(job_id).run()
+    finally:
+        # Every chat prompt shares its first tokens with these: other tests' prompts must not hit them.
+        httpx.post(f"{engine_cache.url}/flush_cache", timeout=30).raise_for_status()
     first = stack.job(job_id)
     assert first["state"] == "succeeded"
     before = rejections(stack, job_id)
@@ -358,8 +376,6 @@ def test_retry_reruns_engine_side_rejections_and_publishes_each_sample_once(
 
 def test_a_stale_attempt_can_neither_fail_the_job_nor_count_a_failure(db_url: str, tmp_path: Path) -> None:
     """``_fail`` acting for a unit checks the lease: an attempt whose lease was taken does nothing."""
-    import uuid
-
     from hsx.db.models import Job, JobState
     from hsx.db.session import session_scope
     from hsx.jobs import recovery
