@@ -67,9 +67,12 @@ class Settings(BaseSettings):
     max_inflight_dump_bytes: int = 4 << 30
     # Worker processes `hsx worker` starts on this host (each one unit in flight at a time).
     worker_processes: int = 1
-    # Attempts of a unit that may end in an error (a work horse that dies counts too) before the unit, and
-    # its job, fail with the last reason. Failures no retry heals (dataset gone, disk full) fail at once.
+    # Attempts of a unit that may end in an error before the unit, and its job, fail with the last reason.
+    # Failures no retry heals (dataset gone, disk full) fail at once.
     unit_max_failures: int = 3
+    # Work horses that may die holding a unit before it fails: an outside kill (an operator, the OOM
+    # killer) cannot be told from a sample that crashes the process, so deaths get more room than errors.
+    unit_max_horse_deaths: int = 10
     # A job that no fit engine has worked on for this long (every engine that tried is unfit or down, and
     # no lease is live) fails, naming them; until then it waits for a healthy worker.
     no_fit_engine_seconds: float = 300.0

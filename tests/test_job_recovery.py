@@ -292,12 +292,13 @@ def test_a_brief_engine_outage_is_ridden_out_and_a_long_one_gives_the_unit_back(
 
 
 @postgres_only
-def test_a_unit_that_kills_every_work_horse_fails_the_job_after_three(
+def test_a_unit_that_kills_every_work_horse_fails_the_job_at_the_bound(
     synth: tuple[Stack, Synthetic],
 ) -> None:
     stack, _engine = synth
     job_id = stack.submit(write_pretokenized(stack.tmp / "d.jsonl", [30] * 2), samples_per_shard=2)["id"]
-    worker = stack.start_worker({"HSX_CRASH_AT": "mid_unit"})  # every horse dies in the unit
+    # Every horse dies in the unit; three deaths are the bound here (HSX_UNIT_MAX_HORSE_DEATHS).
+    worker = stack.start_worker({"HSX_CRASH_AT": "mid_unit", "HSX_UNIT_MAX_HORSE_DEATHS": "3"})
     doc = stack.wait(job_id, timeout=120)
     assert doc["state"] == "failed", (doc, stack.logs())
     assert doc["error"].startswith("unit 0 failed 3 time(s); last: the work horse holding it died"), doc

@@ -41,7 +41,7 @@ def expire_leases_of(db_url: str, owner: str, reason: str = "", max_failures: in
         ended = recovery.count_dead_owner_failures(session, owner, reason, max_failures)
     for job_id, unit_index, failed in ended:
         if failed:
-            log.error("job %s failed: unit %s killed %d work horses", job_id, unit_index, max_failures)
+            log.error("job %s failed: unit %s at its failure bound (a dead horse)", job_id, unit_index)
     return len(ended)
 
 

@@ -57,7 +57,7 @@ class HsxWorker(Worker):
                 settings.resolved_database_url,
                 owner,
                 f"the work horse holding it died (wait status {ret_val})",
-                max(1, settings.unit_max_failures),
+                max(1, settings.unit_max_horse_deaths),
             )
             log.warning("work horse %s died (status %s); released %d lease(s)", retpid, ret_val, n)
         except Exception as exc:  # noqa: BLE001 - the leases still expire on their own
