@@ -377,9 +377,7 @@ def leased_units(session: Session, job_id: str) -> list[WorkUnit]:
 # --- shards and rejections --------------------------------------------------------------------------------
 
 
-def list_shards(
-    session: Session, job_id: str, limit: int | None = None, offset: int = 0
-) -> list[Shard]:
+def list_shards(session: Session, job_id: str, limit: int | None = None, offset: int = 0) -> list[Shard]:
     query = (
         select(Shard)
         .join(WorkUnit, Shard.unit_id == WorkUnit.id)
