@@ -89,6 +89,9 @@ def build_config(name: str, tiny: bool = False) -> Any:
             qk_nope_head_dim=16 if tiny else 128,
             qk_rope_head_dim=16 if tiny else 64,
             v_head_dim=16 if tiny else 128,
+            # Read by SGLang 0.5.17's DeepseekV2 code, absent from the device's transformers config: the
+            # first matrix run died on it (docs/sglang.md).
+            moe_layer_freq=1,
             **common,
         )
     if name == "gpt_oss":
@@ -99,6 +102,7 @@ def build_config(name: str, tiny: bool = False) -> Any:
             head_dim=head_dim,
             sliding_window=128,
             layer_types=["sliding_attention", "full_attention"] * (NUM_LAYERS // 2),
+            swiglu_limit=7.0,  # read by SGLang 0.5.17, absent from the device's transformers config
             **common,
         )
     if name == "gemma":
@@ -109,6 +113,7 @@ def build_config(name: str, tiny: bool = False) -> Any:
             head_dim=head_dim,
             sliding_window=128,
             query_pre_attn_scalar=head_dim,
+            hidden_act="gelu_pytorch_tanh",  # SGLang 0.5.17 reads hidden_act, newer configs hidden_activation
             **common,
         )
     if name == "gemma3":

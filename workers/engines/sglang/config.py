@@ -97,7 +97,7 @@ class PluginConfig:
     dump_dir: str
     aux_layer_ids: list[int] | None = None
     pinned_mb: int = 2048
-    writer_threads: int = 4
+    writer_threads: int = 8  # 4 lagged the GPU on an 8B model (bench/RESULTS.md)
     stats_seconds: float = 30.0
     final_state: str = "post"
     allow_any_version: bool = False
@@ -134,7 +134,7 @@ class PluginConfig:
             dump_dir=dump_dir,
             aux_layer_ids=parse_aux_layers(env.get(ENV_AUX_LAYERS, "")),
             pinned_mb=int(env.get(ENV_PINNED_MB, "2048")),
-            writer_threads=int(env.get(ENV_WRITERS, "4")),
+            writer_threads=int(env.get(ENV_WRITERS, "8")),
             stats_seconds=float(env.get(ENV_STATS_SECONDS, "30")),
             final_state=env.get(ENV_FINAL_STATE, "post") or "post",
             allow_any_version=env.get(ENV_ANY_VERSION, "0") == "1",
