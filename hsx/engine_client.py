@@ -234,17 +234,24 @@ def _rejection(response: httpx.Response) -> tuple[str, str]:
     return f"http_{response.status_code}", str(body)[:500]
 
 
-def read_dump(dump_dir: str, rid: str, wait_seconds: float) -> Dump:
-    """The complete dump of ``rid``, waiting up to ``wait_seconds`` for the engine to finish writing it."""
+def wait_for_meta(dump_dir: str, rid: str, wait_seconds: float) -> str:
+    """The dump directory of ``rid`` once its ``meta.json`` exists (written last: the dump is complete)."""
     directory = contract.dump_path(dump_dir, rid)
     meta_path = os.path.join(directory, contract.META_FILE)
     deadline = time.monotonic() + max(0.0, wait_seconds)
-    pause = 0.005
+    pause = 0.002
     while not os.path.isfile(meta_path):
         if time.monotonic() >= deadline:
             raise DumpMissing(f"no dump for {rid} in {dump_dir} after {wait_seconds:g}s")
         time.sleep(pause)
-        pause = min(pause * 2, 0.1)
+        pause = min(pause * 2, 0.05)
+    return directory
+
+
+def read_dump(dump_dir: str, rid: str, wait_seconds: float) -> Dump:
+    """The complete dump of ``rid``, waiting up to ``wait_seconds`` for the engine to finish writing it."""
+    directory = wait_for_meta(dump_dir, rid, wait_seconds)
+    meta_path = os.path.join(directory, contract.META_FILE)
     try:
         with open(meta_path, encoding="utf-8") as fh:
             meta = contract.DumpMeta.from_json(fh.read())

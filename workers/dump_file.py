@@ -8,14 +8,13 @@ memory does not grow with prompt length or hidden size.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from hsx import contract
-from hsx.engine_client import DumpCorrupt, DumpMissing
+from hsx.engine_client import DumpCorrupt, wait_for_meta
 from hsx.safetensors_io import SafetensorsError, TensorSpec, read_header
 
 
@@ -41,20 +40,6 @@ class DumpFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def wait_for_meta(dump_dir: str, rid: str, wait_seconds: float) -> str:
-    """The dump directory of ``rid`` once its ``meta.json`` exists (written last: the dump is complete)."""
-    directory = contract.dump_path(dump_dir, rid)
-    meta_path = os.path.join(directory, contract.META_FILE)
-    deadline = time.monotonic() + max(0.0, wait_seconds)
-    pause = 0.002
-    while not os.path.isfile(meta_path):
-        if time.monotonic() >= deadline:
-            raise DumpMissing(f"no dump for {rid} in {dump_dir} after {wait_seconds:g}s")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-    return directory
 
 
 def open_dump(dump_dir: str, rid: str, wait_seconds: float) -> DumpFile:

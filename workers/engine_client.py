@@ -12,6 +12,7 @@ from hsx.engine_client import (
     as_float32,
     delete_dump,
     read_dump,
+    wait_for_meta,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "as_float32",
     "delete_dump",
     "read_dump",
+    "wait_for_meta",
 ]

@@ -49,17 +49,9 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             raise RequestRejected("bad_request", "body must be a JSON object")
         input_ids, rid, extra_key = parse_generate_body(body)
         result = await run_in_threadpool(engine.prefill, input_ids, rid, extra_key)
-        return {
-            "output_ids": [result.output_id],
-            "meta_info": {
-                "id": result.rid,
-                "prompt_tokens": result.prompt_tokens,
-                "cached_tokens": result.cached_tokens,
-                "completion_tokens": 1,
-                "finish_reason": {"type": "length", "length": 1},
-                "e2e_latency": time.monotonic() - started,
-            },
-        }
+        return contract.prefill_reply(
+            result.rid, result.prompt_tokens, result.cached_tokens, result.output_id, started
+        )
 
     @app.get("/health")
     def health() -> Response:

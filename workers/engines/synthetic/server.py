@@ -55,17 +55,7 @@ def create_app(engine: SyntheticEngine) -> FastAPI:
             )
         except (ValueError, OSError) as exc:  # a rid that escapes the dump dir or is too long for a name
             return _bad(f"cannot dump under rid {rid!r}: {exc}")
-        return {
-            "output_ids": [0],
-            "meta_info": {
-                "id": rid,
-                "prompt_tokens": len(ids),
-                "cached_tokens": 0,
-                "completion_tokens": 1,
-                "finish_reason": {"type": "length", "length": 1},
-                "e2e_latency": time.monotonic() - started,
-            },
-        }
+        return contract.prefill_reply(rid or "", len(ids), 0, 0, started)
 
     @app.get("/health")
     def health() -> Response:
