@@ -29,8 +29,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from hsx import contract  # noqa: E402
+from hsx.engine_client import EngineClient  # noqa: E402
 from hsx.local_stack import LocalStack, free_port, hsx_command, redis_reachable, wait_http  # noqa: E402
-from workers.engine_client import EngineClient  # noqa: E402
 
 
 def say(message: str) -> None:
