@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hsx import contract
+from hsx.model_identity import model_fingerprint
 from workers.engines.sglang import guards, plugin
 from workers.engines.sglang.config import (
     SAFETENSORS_DTYPES,
@@ -117,6 +118,10 @@ def build_info(
         extra=engine_extra(server_args, version),
         context_length=int(getattr(model_config, "context_len", 0) or 0) or None,
     )
+    if os.path.isdir(str(server_args.model_path)):
+        # Which weights produced the states: workers never mix two checkpoints of one shape in a job. A hub
+        # id (not a local directory) gets none, and jobs then compare shape, tokenizer and template only.
+        info.extra[contract.MODEL_FINGERPRINT] = model_fingerprint(str(server_args.model_path))
     return info, cfg
 
 
