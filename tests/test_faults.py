@@ -517,8 +517,8 @@ def test_commit_retried_after_its_connection_drops_past_the_rename(
 ) -> None:
     """The connection dies between the shard's rename and the row commit: the commit is retried, and lands
     once. (In process, so that the drop happens at exactly that step: the fault hook cuts the connection.)"""
+    from hsx.faults import crash_point as real_crash_point
     from hsx.settings import get_settings
-    from workers.faults import crash_point as real_crash_point
     from workers.job_runner import JobRunner
 
     db_url = fast.env["HSX_DATABASE_URL"]
@@ -649,8 +649,8 @@ def test_a_crash_at_each_step_recovers_to_the_same_output(fast: Stack, baseline:
     """One worker per crash point, each crashing once there; seven jobs, each equal to the baseline."""
     from rq import Worker
 
+    from hsx.faults import POINTS
     from hsx.jobs.queue import queue_for
-    from workers.faults import POINTS
 
     markers = {point: fast.tmp / f"crashed-{point}" for point in POINTS}
     for point, marker in markers.items():

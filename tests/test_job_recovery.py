@@ -253,7 +253,7 @@ def test_a_brief_engine_outage_is_ridden_out_and_a_long_one_gives_the_unit_back(
 ) -> None:
     """The engine freezes (SIGSTOP) right after a unit is claimed: prefills time out. Back within the
     client's retries, the samples are sent again and nothing is lost; gone longer, the unit is released."""
-    from workers.faults import crash_point as real_crash_point
+    from hsx.faults import crash_point as real_crash_point
 
     stack, engine = synth
     frozen: list[float] = []

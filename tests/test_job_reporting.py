@@ -145,7 +145,7 @@ def test_max_length_past_the_engine_context_and_other_aux_layers_are_refused_at_
 def test_progress_and_eta_move_before_a_single_unit_job_commits(
     synth: tuple[Stack, Synthetic], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from workers.faults import crash_point as real_crash_point
+    from hsx.faults import crash_point as real_crash_point
 
     stack, engine = synth
     job_id = stack.submit(write_pretokenized(stack.tmp / "d.jsonl", [20] * 6), samples_per_shard=6)["id"]

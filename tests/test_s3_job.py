@@ -4,6 +4,7 @@ worker that prepares the job) and whose output is published to S3 by the job's f
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +63,52 @@ def test_an_s3_parquet_dataset_gives_the_jsonl_samples_and_the_output_lands_in_s
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
         assert torch.equal(a.aux_hidden_state, b.aux_hidden_state)
         assert torch.equal(a.hidden_state, b.hidden_state)  # type: ignore[arg-type]
+
+
+def test_a_worker_killed_mid_upload_publishes_nothing_half_written_and_the_job_still_succeeds(
+    engine_nocache: Any,
+    s3_bucket: S3Bucket,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The worker that finalizes the job dies after the first object is in the store, before the manifest
+    (a manifest never names a missing object: tests/test_storage.py shows the store at that moment). The
+    next finalize (the next wake-up's, or the reconciler's) resumes the upload, reusing what is there, and
+    the job succeeds with every object confirmed."""
+    from hsx.db.migrate import upgrade
+    from hsx.settings import get_settings
+    from workers.reconciler import reconcile_once
+
+    db_url = f"sqlite:///{tmp_path / 'hsx.sqlite3'}"
+    upgrade(db_url)
+    stack = make_stack(
+        db_url, REDIS_URL, engine_nocache.url, tmp_path, monkeypatch,
+        s3_endpoint_url=s3_bucket.server.url, allowed_buckets=s3_bucket.name,
+        output_uri=f"s3://{s3_bucket.name}/outputs",
+    )  # fmt: skip
+    marker = tmp_path / "crashed"
+    try:
+        job = stack.submit(MULTI_TURN, samples_per_shard=4)
+        crash = {"HSX_CRASH_AT": "mid_publish", "HSX_CRASH_ONCE_FILE": str(marker)}
+        assert stack.run_burst(timeout=600, extra_env=crash) == 0, stack.logs()
+    finally:
+        stack.stop_workers()
+    assert marker.exists(), "the worker died mid-upload"
+    prefix = f"outputs/{job['id']}/"
+    with caplog.at_level("INFO", logger="hsx.jobs.finalize"):
+        reconcile_once(get_settings())  # finalizes, unless the next wake-up already did
+    doc = stack.job(job["id"])
+    assert doc["state"] == "succeeded", (doc, stack.logs())
+    logs = stack.logs() + caplog.text
+    resumed = re.findall(r"published (\d+) objects to \S+ \((\d+) already there\)", logs)
+    assert resumed and int(resumed[-1][1]) >= 1, "the resumed upload reused the object sent before the crash"
+    out = Path(doc["output_dir"])
+    local_files = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    assert sorted(key[len(prefix) :] for key in s3_bucket.keys(prefix)) == local_files
+    copy = tmp_path / "copy"
+    for key in s3_bucket.keys(prefix):
+        (copy / key[len(prefix) :]).parent.mkdir(parents=True, exist_ok=True)
+        s3_bucket.client().download_file(s3_bucket.name, key, str(copy / key[len(prefix) :]))
+    published = [(s.index, s.input_ids.tolist()) for s in iter_samples(copy)]  # checksums verified
+    assert published == [(s.index, s.input_ids.tolist()) for s in iter_samples(out)]

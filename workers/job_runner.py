@@ -46,7 +46,7 @@ from hsx.retry import DATABASE
 from hsx.settings import Settings
 from workers.dataset import DatasetError
 from workers.engine_gate import EngineGate, Refusal, static_problem
-from workers.faults import crash_point
+from hsx.faults import crash_point
 from workers.job_prepare import JobPreparer
 from workers.lease import LeaseKeeper
 from workers.records import UnitRange, read_unit_records

@@ -28,7 +28,7 @@ import numpy.typing as npt
 from hsx.contract import canonical_state_dtype as canonical_state_dtype
 from hsx.safetensors_io import TensorSpec, encode_header
 from hsx.validation import LAYERS_MISMATCH, NON_FINITE, TOKEN_COUNT, SampleRejected
-from workers.faults import crash_point
+from hsx.faults import crash_point
 
 CHUNK_BYTES = 1 << 20
 # Bits that are all ones in the exponent of a non-finite value, per 16-bit float format.

@@ -109,16 +109,22 @@ def _destination(job_id: str) -> str:
 def _publish(out: Path, destination: str) -> str | None:
     """Upload the output; None when every object is confirmed, else why not (the job then fails). An
     unreachable store raises instead, so the job stays running and the next finalize tries again."""
+    from hsx.faults import crash_point
     from hsx.settings import get_settings
-    from hsx.storage import StorageError, upload_output
+    from hsx.storage import StorageError, UploadEvent, upload_output
+
+    def progress(event: UploadEvent) -> None:
+        if event.kind == "object":
+            crash_point("mid_publish")
 
     try:
-        report = upload_output(out, destination, get_settings())
+        report = upload_output(out, destination, get_settings(), progress=progress)
     except StorageError as exc:
         if exc.error == "unreachable":
             raise
         return f"could not publish the output to {destination}: {exc.detail}"
-    log.info("published %d objects to %s", len(report.objects), destination)
+    reused = sum(1 for item in report.objects if item.already_there)
+    log.info("published %d objects to %s (%d already there)", len(report.objects), destination, reused)
     return None
 
 

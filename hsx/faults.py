@@ -19,8 +19,12 @@ POINTS = (
 )
 
 
+# Beyond a unit: finalization, between an output's first object and its manifest in the object store.
+PUBLISH_POINTS = ("mid_publish",)
+
+
 def crash_point(name: str) -> None:
-    assert name in POINTS, name
+    assert name in POINTS or name in PUBLISH_POINTS, name
     wanted = os.environ.get("HSX_CRASH_AT", "")
     if not wanted or wanted != name:
         return
