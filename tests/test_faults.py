@@ -13,9 +13,11 @@ import functools
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,8 +28,8 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from tests.conftest import REDIS_URL
-from tests.fixtures.stack import Stack, make_stack
+from tests.conftest import PG_ADMIN_URL, REDIS_URL
+from tests.fixtures.stack import REPO, Stack, make_stack
 
 T = TypeVar("T")
 
@@ -471,6 +473,17 @@ def test_redis_wiped_mid_job_loses_nothing(
 # --- 5. PostgreSQL restarted mid-job ---------------------------------------------------------------------
 
 
+def restart_postgres() -> None:
+    """Restart the PostgreSQL the tests use: the machine's cluster, or the embedded one that
+    scripts/ensure_services.sh started where none is installed (a fresh machine)."""
+    if shutil.which("pg_ctlcluster") and os.path.isdir("/etc/postgresql") and ":5432/" in PG_ADMIN_URL:
+        cluster = sorted(os.listdir("/etc/postgresql"))[0]
+        command = ["pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "restart"]
+    else:
+        command = [sys.executable, str(REPO / "scripts" / "embedded_services.py"), "restart-postgres"]
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
+
+
 @postgres_only
 def test_postgres_restart_mid_job_completes(fast: Stack, baseline: Output) -> None:
     db_url = fast.env["HSX_DATABASE_URL"]
@@ -482,13 +495,7 @@ def test_postgres_restart_mid_job_completes(fast: Stack, baseline: Output) -> No
         "a committed unit and another in progress",
         fast,
     )
-    cluster = sorted(os.listdir("/etc/postgresql"))[0]
-    subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "restart"],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    restart_postgres()
     doc = fast.wait(job_id, timeout=240)
     assert_same_output(assert_exactly_once(fast, doc, SAMPLES), baseline)
 
