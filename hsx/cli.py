@@ -137,22 +137,19 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.idempotency_key:
         api.headers["Idempotency-Key"] = args.idempotency_key
     body = {"dataset_uri": ui.local_dataset_uri(args.dataset), "options": options}
-    try:
-        doc = api.call("POST", "/jobs", json=body, timeout=120)
-        if args.wait:
-            doc = ui.watch(api, doc["id"], args.timeout, args.interval, show=not args.json)
-    except ui.ApiError as exc:
-        return ui.print_error(exc, args.json)
-    _show_job(doc, args.json)
-    return ui.exit_code_for_state(doc.get("state"), waiting=True) if args.wait else ui.EXIT_SUCCEEDED
+    return _post_job(api, "/jobs", body, args)
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
+    return _post_job(_api(args.api_url), f"/jobs/{args.job_id}/retry", None, args)
+
+
+def _post_job(api: Any, path: str, body: dict[str, Any] | None, args: argparse.Namespace) -> int:
+    """POST something that answers a job document; with ``--wait``, follow the job to its end."""
     from hsx import cli_progress as ui
 
-    api = _api(args.api_url)
     try:
-        doc = api.call("POST", f"/jobs/{args.job_id}/retry")
+        doc = api.call("POST", path, json=body, timeout=120) if body is not None else api.call("POST", path)
         if args.wait:
             doc = ui.watch(api, doc["id"], args.timeout, args.interval, show=not args.json)
     except ui.ApiError as exc:
