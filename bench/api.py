@@ -4,8 +4,8 @@ job runs; the same load on the same API with no job running is the baseline.
     hsx bench api [--rate 200] [--seconds 20]
 
 The load is open-loop: request ``i`` is sent at ``start + i / rate`` whatever earlier ones took (a slow
-answer cannot hide later ones). Prints a table, then one JSON line: ``rate``, ``p50_ms``, ``p99_ms``,
-``errors`` while the job runs, and ``idle_p50_ms``, ``idle_p99_ms`` without it.
+answer cannot hide later ones), from one asyncio loop. Prints a table, then one JSON line: ``rate``,
+``p50_ms``, ``p99_ms``, ``errors`` while the job runs, and ``idle_p50_ms``, ``idle_p99_ms`` without it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import json
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -24,42 +23,43 @@ from harness import private_stack, say, table, write_pretokenized  # noqa: E402
 
 
 def load(url: str, rate: float, seconds: float) -> dict[str, float]:
-    """Runs in the second process: send the requests, report latency percentiles and errors."""
+    """Runs in the second process: send the requests, report latency percentiles and errors. One asyncio
+    loop sends them all (threads would add their own scheduling delays to what is measured)."""
+    import asyncio
+
     import httpx
 
-    client = httpx.Client(timeout=10, limits=httpx.Limits(max_connections=16, max_keepalive_connections=16))
     total = int(rate * seconds)
-    latencies: list[float] = []
-    errors = 0
-    start = time.perf_counter() + 0.2
 
-    def one(i: int) -> float | None:
-        delay = start + i / rate - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        sent = time.perf_counter()
-        try:
-            ok = client.get(url).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        return time.perf_counter() - sent if ok else None
+    async def run() -> tuple[list[float], int, float]:
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=10, limits=limits) as client:
+            loop = asyncio.get_running_loop()
+            start = loop.time() + 0.2
 
-    with ThreadPoolExecutor(16) as pool:
-        for result in pool.map(one, range(total)):
-            if result is None:
-                errors += 1
-            else:
-                latencies.append(result)
-    latencies.sort()
+            async def one(i: int) -> float | None:
+                await asyncio.sleep(max(0.0, start + i / rate - loop.time()))
+                sent = loop.time()
+                try:
+                    ok = (await client.get(url)).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                return loop.time() - sent if ok else None
+
+            results = await asyncio.gather(*(one(i) for i in range(total)))
+            elapsed = loop.time() - start
+        latencies = sorted(r for r in results if r is not None)
+        return latencies, sum(1 for r in results if r is None), elapsed
+
+    latencies, errors, elapsed = asyncio.run(run())
 
     def pct(p: float) -> float:
         return (
             round(1000 * latencies[min(len(latencies) - 1, int(p * len(latencies)))], 2) if latencies else -1
         )
 
-    achieved = total / (time.perf_counter() - start)
-    return {"requests": total, "achieved_rate": round(achieved, 1), "p50_ms": pct(0.5), "p99_ms": pct(0.99),
-            "errors": errors}  # fmt: skip
+    return {"requests": total, "achieved_rate": round(total / elapsed, 1), "p50_ms": pct(0.5),
+            "p99_ms": pct(0.99), "errors": errors}  # fmt: skip
 
 
 def second_process(url: str, rate: float, seconds: float) -> dict[str, float]:

@@ -91,7 +91,9 @@ def test_a_worker_killed_mid_upload_publishes_nothing_half_written_and_the_job_s
     try:
         job = stack.submit(MULTI_TURN, samples_per_shard=4)
         crash = {"HSX_CRASH_AT": "mid_publish", "HSX_CRASH_ONCE_FILE": str(marker)}
-        assert stack.run_burst(timeout=600, extra_env=crash) == 0, stack.logs()
+        # A work horse finalizes after its last unit, and so does the worker's reconciler thread: whichever
+        # gets there first dies, the horse (the worker goes on, exit 0) or the whole worker (exit 137).
+        assert stack.run_burst(timeout=600, extra_env=crash) in (0, 137), stack.logs()
     finally:
         stack.stop_workers()
     assert marker.exists(), "the worker died mid-upload"
