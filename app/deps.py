@@ -12,7 +12,8 @@ from hsx.db.session import session_factory
 from hsx.settings import Settings, get_settings
 
 
-def settings_dep() -> Settings:
+async def settings_dep() -> Settings:
+    # Async: a sync dependency costs a hop to the thread pool on every request.
     return get_settings()
 
 

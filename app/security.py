@@ -28,13 +28,13 @@ import hmac
 import ipaddress
 import json
 import logging
-from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.deps import SettingsDep
 from hsx.errors import PayloadTooLarge, ServiceUnavailable, Unauthorized
-from hsx.settings import Settings, TokenConfigError, get_settings
+from hsx.settings import Settings, TokenConfigError
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,9 @@ def _is_loopback_host(host: str) -> bool:
         return False  # a host name other than localhost may resolve anywhere
 
 
-def require_token(request: Request, settings: Annotated[Settings, Depends(get_settings)]) -> None:
-    """FastAPI dependency enforcing the token policy above; raises :class:`~hsx.errors.HsxError`."""
+async def require_token(request: Request, settings: SettingsDep) -> None:
+    """FastAPI dependency enforcing the token policy above; raises :class:`~hsx.errors.HsxError`. Async
+    (it only compares strings and reads a small file): a sync one costs every request a thread-pool hop."""
     try:
         expected = settings.token()
     except TokenConfigError as exc:

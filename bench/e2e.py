@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from harness import (  # noqa: E402
     drive_engine,
     fsynced_write_rate,
     job_rate,
+    job_timeline,
     mean,
     private_stack,
     read_prompts,
@@ -51,8 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--processes", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--samples-per-shard", type=int, default=32)
+    parser.add_argument(
+        "--samples-per-shard",
+        type=int,
+        default=None,
+        help="default: 32, or fewer so that every worker process gets a unit",
+    )
     parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        help="where the job writes its shards (default: the bench's work directory); /dev/shm takes the disk "
+        "out of the measurement",
+    )
     args = parser.parse_args(argv)
     info = EngineClient(args.engine_url).info()
     in_flight = args.processes * args.concurrency
@@ -61,14 +74,18 @@ def main(argv: list[str] | None = None) -> int:
         "HSX_ENGINE_CONCURRENCY": str(args.concurrency),
         "HSX_ENGINE_URL": args.engine_url,
         "HSX_DUMP_DIR": info.dump_dir,
+        "HSX_LOG_FORMAT": "json",  # the timeline below reads the workers' log
     }
     results = {}
     for name in ["uniform", "mixed"] if args.set == "both" else [args.set]:
-        with private_stack(f"e2e-{name}", settings=settings) as stack:
+        output_dir = args.output_dir / f"e2e-{name}" if args.output_dir else None
+        with private_stack(f"e2e-{name}", output_dir=output_dir, settings=settings) as stack:
             stack.env.update(settings)
             stack.engine_url = args.engine_url
             dataset = stack.work / f"{name}.jsonl"
-            total = write_pretokenized(dataset, lengths_for(name, args.samples), vocab=args.vocab)
+            lengths = lengths_for(name, args.samples)
+            total = write_pretokenized(dataset, lengths, vocab=args.vocab)
+            per_shard = args.samples_per_shard or max(1, min(32, len(lengths) // args.processes))
             prompts = read_prompts(dataset)
             out = Path(stack.env["HSX_OUTPUT_DIR"])
             stack.start_api()
@@ -82,11 +99,12 @@ def main(argv: list[str] | None = None) -> int:
 
             plain_before, disk_before = baselines()
             say(f"{name}: plain {plain_before:,.0f} tok/s, disk {disk_before:,.0f} tok/s; running the job")
-            job_id, _ = stack.submit(dataset, samples_per_shard=args.samples_per_shard)
+            job_id, _ = stack.submit(dataset, samples_per_shard=per_shard)
             doc = stack.wait(job_id, timeout=1800)
             if doc["state"] != "succeeded":
                 raise SystemExit(f"job {doc['state']}: {doc.get('error')}")
             job = job_rate(doc)
+            timeline = job_timeline(stack.local.log_dir / "workers.log", doc)
             plain_after, disk_after = baselines()
             plain, disk = mean([plain_before, plain_after]), mean([disk_before, disk_after])
             results[name] = {
@@ -94,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens": total,
                 "in_flight": in_flight,
                 "processes": args.processes,
+                "samples_per_shard": per_shard,
                 "job_tok_s": round(job),
                 "plain_tok_s": round(plain),
                 "disk_tok_s": round(disk),
@@ -103,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                 "rejected": doc["progress"]["samples_rejected"],
                 "ratio": round(job / min(plain, disk), 3),
                 "ratio_vs_plain": round(job / plain, 3),
+                "timeline": timeline,
             }
+            if output_dir is not None:
+                shutil.rmtree(output_dir, ignore_errors=True)
             print(f"--- {name}")
             table([(key, str(value)) for key, value in results[name].items()])
     print(json.dumps({"bench": "e2e", "engine": info.backend, "hidden_size": info.hidden_size, **results}))

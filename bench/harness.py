@@ -80,8 +80,20 @@ class Stack:
         wait_http(f"{self.api_url}/healthz", 60, proc)
         return self.api_url
 
-    def start_workers(self, processes: int) -> Any:
-        return self.local.start("workers", hsx_command("worker", "--processes", str(processes)), self.env)
+    def start_workers(self, processes: int, timeout: float = 300) -> Any:
+        """Start ``processes`` worker processes and wait until each has registered with the queue (a job
+        submitted earlier would be measured with workers still importing torch)."""
+        from redis import Redis
+        from rq import Queue, Worker
+
+        proc = self.local.start("workers", hsx_command("worker", "--processes", str(processes)), self.env)
+        queue = Queue(self.env["HSX_QUEUE_NAME"], connection=Redis.from_url(self.env["HSX_REDIS_URL"]))
+        deadline = time.monotonic() + timeout
+        while Worker.count(queue=queue) < processes:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{Worker.count(queue=queue)} of {processes} workers registered")
+            time.sleep(0.2)
+        return proc
 
     def submit(self, dataset: Path, **options: Any) -> tuple[str, float]:
         started = time.perf_counter()
@@ -141,6 +153,9 @@ def private_stack(
         yield Stack(work=work, local=local, env=env)
     finally:
         local.stop()
+        keep = os.environ.get("HSX_BENCH_LOGS")  # where the stack's logs go before its directory does
+        if keep:
+            shutil.copytree(work / "logs", Path(keep) / work.name, dirs_exist_ok=True)
         shutil.rmtree(work, ignore_errors=True)
         if "env" in locals():
             shutil.rmtree(env["HSX_DUMP_DIR"], ignore_errors=True)
@@ -178,12 +193,16 @@ def drive_engine(
     return sum(map(len, prompts)) / elapsed
 
 
-def fsynced_copy_rate(sources: Sequence[Path], target_dir: Path, parallel: int) -> float:
-    """Bytes/s of copying ``sources`` into ``target_dir`` with an fsync per file (then removed)."""
+def fsynced_copy_rate(sources: Sequence[Path], target_dir: Path, parallel: int, rounds: int = 1) -> float:
+    """Bytes/s of copying ``sources`` into ``target_dir`` with an fsync per file (then removed), each
+    ``rounds`` times: as many bytes as the job moves, so that the disk is measured at the job's volume
+    rather than in a burst its cache absorbs."""
     target_dir.mkdir(parents=True, exist_ok=True)
+    work = [(number, source) for number in range(max(1, rounds)) for source in sources]
 
-    def copy(source: Path) -> int:
-        target = target_dir / f"{source.parent.name}-{source.name}"
+    def copy(item: tuple[int, Path]) -> int:
+        number, source = item
+        target = target_dir / f"{number}-{source.parent.name}-{source.name}"
         with open(source, "rb") as src, open(target, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
             dst.flush()
@@ -192,7 +211,7 @@ def fsynced_copy_rate(sources: Sequence[Path], target_dir: Path, parallel: int) 
 
     started = time.perf_counter()
     with ThreadPoolExecutor(parallel) as pool:
-        total = sum(pool.map(copy, sources))
+        total = sum(pool.map(copy, work))
     elapsed = time.perf_counter() - started
     shutil.rmtree(target_dir, ignore_errors=True)
     return total / elapsed
@@ -264,3 +283,49 @@ def table(rows: Sequence[tuple[str, str]]) -> None:
 
 def mean(values: Sequence[float]) -> float:
     return statistics.fmean(values)
+
+
+def job_timeline(log_path: Path, doc: dict[str, Any]) -> dict[str, float]:
+    """Where a job's time went, from the workers' JSON log (``HSX_LOG_FORMAT=json``) and the job record:
+    seconds after ``started_at`` of the first and the last worker's first claim (how fast the workers
+    joined), of the engine's answer to the last prefill and of the last unit's commit (the difference is the
+    copy and commit behind the engine); and where the units' collecting threads spent their time."""
+    from datetime import datetime
+
+    def at(text: str) -> float:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+    start, end = at(str(doc["started_at"])), at(str(doc["finished_at"]))
+    first_claims: dict[int, float] = {}
+    commits: list[float] = []
+    answers: list[float] = []  # when the engine answered each unit's last prefill
+    spent = dict.fromkeys(("waiting_s", "copying_s", "closing_s", "commit_s"), 0.0)
+    for line in log_path.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("job_id") != doc["id"] or "unit" not in record:
+            continue
+        ts, message = at(str(record["ts"])), str(record.get("msg", ""))
+        if "claimed unit" in message:
+            first_claims.setdefault(int(record.get("pid", 0)), ts)
+        elif f"unit {record['unit']}:" in message:
+            commits.append(ts)
+            if record.get("tail_s"):
+                answers.append(ts - float(record["tail_s"]))
+            for name in spent:
+                spent[name] += float(record.get(name, 0.0))
+    claims = sorted(first_claims.values())
+    return {
+        "seconds": round(end - start, 3),
+        "first_claim": round(claims[0] - start, 3) if claims else -1.0,
+        "last_worker_joined": round(claims[-1] - start, 3) if claims else -1.0,
+        "workers_joined": float(len(claims)),
+        "last_commit": round(max(commits) - start, 3) if commits else -1.0,
+        "last_answer": round(max(answers) - start, 3) if answers else -1.0,
+        # Summed over units: the collecting threads' time waiting for the engine, copying, closing shards.
+        **{f"units_{name}": round(value, 2) for name, value in spent.items()},
+    }

@@ -1,6 +1,7 @@
 """``hsx bench pipeline``: a whole job (API, queue, workers, synthetic engine) against its two limits,
 measured in the same run: the synthetic engine driven directly at the same concurrency, and an fsynced
-copy of the same bytes from the dump directory to the output directory (what a worker must move at least).
+copy of as many bytes from the dump directory to the output directory as the job moves (what a worker
+must move at least; the dumps of ``--baseline-samples`` prompts, copied over and over to reach the volume).
 
     hsx bench pipeline [--samples 160] [--tokens 1024] [--hidden-size 4096] [--num-layers 32]
                        [--processes 2] [--concurrency 4] [--database-url URL]
@@ -23,6 +24,7 @@ from harness import (  # noqa: E402
     drive_engine,
     fsynced_copy_rate,
     job_rate,
+    job_timeline,
     make_dumps,
     mean,
     private_stack,
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url")
     args = parser.parse_args(argv)
     in_flight = args.processes * args.concurrency
-    settings = {"HSX_ENGINE_CONCURRENCY": str(args.concurrency)}
+    settings = {"HSX_ENGINE_CONCURRENCY": str(args.concurrency), "HSX_LOG_FORMAT": "json"}
     with private_stack("pipeline", database_url=args.database_url, settings=settings) as stack:
         dataset = stack.work / "bench.jsonl"
         total = write_pretokenized(dataset, [args.tokens] * args.samples)
@@ -62,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
             dumps = make_dumps(stack.engine_url, dump_dir, prompts[: max(4, len(prompts) // 2)])
             size = sum(p.stat().st_size for p in dumps)
             tokens = len(dumps) * args.tokens
-            copy = fsynced_copy_rate(dumps, out.parent / "copy-baseline", args.processes) * tokens / size
+            rounds = -(-args.samples // len(dumps))  # the job's volume
+            rate = fsynced_copy_rate(dumps, out.parent / "copy-baseline", args.processes, rounds)
+            copy = rate * tokens / size
             for path in dumps:
                 for item in path.parent.iterdir():
                     item.unlink()
@@ -94,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             "copy_tok_s_before_after": [round(copy_before), round(copy_after)],
             "samples_done": doc["progress"]["samples_done"],
             "ratio": round(job / min(engine, copy), 3),
+            "timeline": job_timeline(stack.local.log_dir / "workers.log", doc),
         }
     table([(key, str(value)) for key, value in result.items()])
     print(json.dumps(result))

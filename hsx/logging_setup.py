@@ -101,6 +101,8 @@ class StructuredFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         fields = self.fields(record)
         if self.style_name == "json":
+            # Which process: one host runs many workers (hsx worker --processes N) into one stream.
+            fields.setdefault("pid", record.process)
             return self.redact(json.dumps(fields, default=str, ensure_ascii=False))
         head = f"{fields.pop('ts')} {fields.pop('level'):<7} {fields.pop('logger')}: {fields.pop('msg')}"
         exc = fields.pop("exc", None)

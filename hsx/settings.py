@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     # Finished captures waiting in the dump directory for the shard writer, per worker process, in bytes:
     # how far prefills may run ahead of the writer.
     max_inflight_dump_bytes: int = 4 << 30
+    # A shard is handed to the disk every this many bytes as it is written (workers/shards.py), so the disk
+    # works while the engine computes and the closing fsync has little left; 0 leaves it all to that fsync.
+    shard_write_behind_bytes: int = 32 << 20
     # Worker processes `hsx worker` starts on this host (each one unit in flight at a time).
     worker_processes: int = 1
     # Attempts of a unit that may end in an error before the unit, and its job, fail with the last reason.
@@ -85,8 +88,9 @@ class Settings(BaseSettings):
     # answer first when the cores are busy.
     worker_nice: int = 0
 
-    # How stale a polled GET /jobs/{id} may be (app/jobs/document_cache.py); 0 renders every request.
-    job_document_ttl_seconds: float = 0.25
+    # How stale a polled GET /jobs/{id} may be (app/jobs/document_cache.py); 0 renders every request. Each
+    # rendering costs the API a few queries; at 1 s a watched job costs one a second whatever the pollers.
+    job_document_ttl_seconds: float = 1.0
 
     # Security and input limits.
     api_token: SecretStr | None = None

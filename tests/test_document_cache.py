@@ -47,3 +47,65 @@ def test_polls_share_a_rendering_and_cancel_shows_at_once(
     assert stack.client.post(f"/jobs/{job['id']}/cancel").status_code == 200
     after = stack.client.get(f"/jobs/{job['id']}").json()
     assert after["state"] == "cancelled" and after["error"] == "cancelled by request"
+
+
+def test_a_stale_document_is_served_at_once_while_one_rendering_runs() -> None:
+    import asyncio
+    import threading
+
+    cache = DocumentCache(ttl=0.05, max_stale=10)
+    renders: list[int] = []
+    release = threading.Event()
+
+    def render() -> bytes:
+        renders.append(1)
+        if len(renders) > 1:
+            release.wait(5)  # a slow job table
+        return f"v{len(renders)}".encode()
+
+    async def scenario() -> None:
+        assert await cache.fetch("a", render) == b"v1"  # nothing cached: rendered now
+        assert await cache.fetch("a", render) == b"v1"  # fresh
+        await asyncio.sleep(0.06)
+        # Stale: the polls are answered at once with v1, and only one rendering starts for all of them.
+        polls = await asyncio.gather(*(cache.fetch("a", render) for _ in range(20)))
+        await asyncio.sleep(0.1)  # the rendering has started (and waits on the job table)
+        polls += await asyncio.gather(*(cache.fetch("a", render) for _ in range(20)))
+        assert set(polls) == {b"v1"} and len(renders) == 2
+        release.set()
+        for _ in range(100):
+            if cache.get("a") == b"v2":
+                break
+            await asyncio.sleep(0.01)
+        assert await cache.fetch("a", render) == b"v2"
+
+    asyncio.run(scenario())
+
+
+def test_a_rendering_older_than_a_change_is_not_kept_and_errors_reach_the_poller() -> None:
+    import asyncio
+    import threading
+
+    cache = DocumentCache(ttl=30)
+    started, release = threading.Event(), threading.Event()
+
+    def slow_before_cancel() -> bytes:
+        started.set()
+        release.wait(5)
+        return b"before the cancel"
+
+    def failing() -> bytes:
+        raise LookupError("no job a")
+
+    async def scenario() -> None:
+        pending = asyncio.ensure_future(cache.fetch("a", slow_before_cancel))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        cache.forget("a")  # the job was cancelled through this API meanwhile
+        release.set()
+        assert await pending == b"before the cancel"  # that poll began before the cancel
+        assert cache.get("a") is None  # but it is not what later polls get
+        with pytest.raises(LookupError):
+            await cache.fetch("b", failing)
+        assert cache.get("b") is None
+
+    asyncio.run(scenario())

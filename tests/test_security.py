@@ -19,9 +19,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, SecretStr
 
+from app.deps import settings_dep
 from app.security import BodySizeLimitMiddleware, require_token, serving_refusal
 from hsx.errors import HsxError
-from hsx.settings import Settings, get_settings
+from hsx.settings import Settings
 from tests.fixtures.live_server import serve_in_thread
 from tests.fixtures.stack import REPO
 
@@ -57,7 +58,7 @@ def build_app(settings: Settings) -> tuple[FastAPI, list[str]]:
         calls.append("item")
         return {"size": len(payload.text)}
 
-    app.dependency_overrides[get_settings] = lambda: settings
+    app.dependency_overrides[settings_dep] = lambda: settings
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=LIMIT)
     return app, calls
 

@@ -24,7 +24,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy.exc import OperationalError
@@ -34,23 +33,23 @@ from hsx.contract import EngineInfo
 from hsx.db.models import Job, JobState
 from hsx.db.session import session_scope
 from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
-from hsx.fsutil import fsync_dir
+from hsx.faults import crash_point
 from hsx.jobs import engines as job_engines
 from hsx.jobs import recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
-from hsx.jobs.queue import enqueue_wakeups, queued_wakeups
-from hsx.jobs.repository import ClaimedUnit, ShardRow
+from hsx.jobs.queue import wake_idle_workers
+from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
 from hsx.retry import DATABASE
 from hsx.settings import Settings
 from workers.dataset import DatasetError
 from workers.engine_gate import EngineGate, Refusal, static_problem
-from hsx.faults import crash_point
 from workers.job_prepare import JobPreparer
 from workers.lease import LeaseKeeper
 from workers.records import UnitRange, read_unit_records
-from workers.shards import ShardWriteError, data_sha256
+from workers.shards import ShardWriteError
+from workers.unit_commit import commit_unit, staged_path
 from workers.unit_processor import TRUNCATE, UnitAborted, UnitProcessor, UnitResult
 
 log = logging.getLogger(__name__)
@@ -66,14 +65,6 @@ def lease_owner(pid: int, engine_url: str) -> str:
     return f"{socket.gethostname()}:{pid}@{engine_url}"
 
 
-def shard_path(output_dir: str, unit_index: int) -> Path:
-    return Path(output_dir) / f"shard-{unit_index:05d}.safetensors"
-
-
-def staged_path(output_dir: str, unit_index: int, attempt: int) -> Path:
-    return Path(output_dir) / f".shard-{unit_index:05d}.a{attempt}.staged"
-
-
 class TokenizerMissing(Exception):
     """Chat records arrived and no usable tokenizer loads (none at the engine's model path or
     HSX_TOKENIZER_PATH, or one without the chat template the job asks for)."""
@@ -83,6 +74,7 @@ class TokenizerMissing(Exception):
 class Outcome:
     summary: str
     more_work: bool
+    timing: dict[str, float] | None = None  # a committed unit's (UnitResult's fields; commit_s, tail_s)
 
 
 @dataclass(frozen=True)
@@ -303,10 +295,11 @@ class JobRunner:
             crash_point("after_claim")
             self._wake_more()
             with log_context(job_id=unit.job_id, unit=unit.unit_index, attempt=unit.attempt):
+                log.info("job %s: claimed unit %s", self.job_id, unit.unit_index)
                 outcome = self._run_unit(unit, job, processor, info)
+                log.info("job %s: %s", self.job_id, outcome.summary, extra=outcome.timing or {})
             telemetry.flush()  # a looping horse's numbers show up unit by unit, not when it exits
             done_here += 1
-            log.info("job %s: %s", self.job_id, outcome.summary)
             if not outcome.more_work:
                 return outcome
         return Outcome(f"{done_here} unit(s)", True)
@@ -318,13 +311,12 @@ class JobRunner:
             return repo.claim_unit(session, self.job_id, self.owner, self.settings.lease_seconds, time.time())
 
     def _wake_more(self) -> None:
-        """Keep one wake-up waiting while units are claimable, so idle workers join (best effort: the
-        reconciler does the same from the job table whatever Redis lost)."""
+        """Keep a wake-up waiting for every idle worker while units are claimable, so they all join at
+        once (best effort: the reconciler keeps one queued from the job table whatever Redis lost)."""
         try:
             with session_scope(self.db_url) as session:
                 claimable = repo.claimable_count(session, self.job_id, time.time())
-            if claimable and queued_wakeups(self.settings, self.job_id) == 0:
-                enqueue_wakeups(self.settings, self.job_id, 1)
+            wake_idle_workers(self.settings, self.job_id, claimable)
         except Exception as exc:  # noqa: BLE001 - waking others is never worth failing this unit
             log.warning("could not wake more workers for job %s: %s", self.job_id, exc)
 
@@ -343,6 +335,7 @@ class JobRunner:
             self.settings.max_inflight_dump_bytes,
             options.get("max_length"),
             str(options.get("truncation", TRUNCATE)),
+            self.settings.shard_write_behind_bytes,
         )
 
     def _run_unit(
@@ -370,7 +363,9 @@ class JobRunner:
                 crash_point("mid_unit")
                 if keeper.should_stop:
                     raise UnitAborted("stopped before commit")
+                committing = time.monotonic()
                 committed = self._commit(unit, result, job.output_dir)
+                committed_at = time.monotonic()
         except UnitAborted as exc:
             self._release(unit)
             telemetry.unit_finished("released")
@@ -395,10 +390,19 @@ class JobRunner:
         telemetry.unit_finished("committed" if committed else "lease_lost")
         if not committed:
             return Outcome(f"unit {unit.unit_index} lease lost; nothing committed", True)
+        timing = {
+            "waiting_s": result.waiting_s,
+            "copying_s": result.copying_s,
+            "closing_s": result.closing_s,
+            "commit_s": committed_at - committing,
+            # From the engine's answer to the unit's last prefill to the unit's commit.
+            "tail_s": committed_at - result.last_answer if result.last_answer else 0.0,
+        }
         return Outcome(
             f"unit {unit.unit_index}: {result.samples_done} samples, {len(result.rejections)} rejected, "
             f"{len(result.truncations)} truncated",
             True,
+            {name: round(value, 3) for name, value in timing.items()},
         )
 
     def _fail_for_good(self, unit: ClaimedUnit, reason: str) -> Outcome:
@@ -445,55 +449,4 @@ class JobRunner:
             log.warning("could not release unit %s: %s", unit.id, exc)
 
     def _commit(self, unit: ClaimedUnit, result: UnitResult, output_dir: str) -> bool:
-        final = shard_path(output_dir, unit.unit_index)
-        staged = staged_path(output_dir, unit.unit_index, unit.attempt)
-        shard: ShardRow | None = None
-        if result.shard is not None:
-            telemetry.bytes_written(result.shard.bytes)
-            crash_point("after_shard_staged")
-            info = result.shard
-            shard = ShardRow(
-                str(final), info.sha256, info.bytes, info.samples, info.tokens, info.header_sha256
-            )
-
-        def publish() -> None:
-            if shard is not None:
-                if staged.exists():
-                    os.replace(staged, final)
-                    fsync_dir(final.parent)
-                elif data_sha256(final) != shard.sha256:
-                    # Not renamed by an earlier try of this commit (whose transaction was then lost).
-                    raise ShardWriteError(final, None, f"the staged shard {staged.name} is gone")
-                crash_point("after_rename")
-            crash_point("before_row_commit")
-
-        def attempt_commit() -> bool:
-            try:
-                with session_scope(self.db_url) as session:
-                    return repo.commit_unit(
-                        session,
-                        unit,
-                        time.time(),
-                        shard,
-                        result.rejections,
-                        result.samples_done,
-                        result.tokens,
-                        publish,
-                        result.truncations,
-                    )
-            except OperationalError:
-                # The commit may have landed before the connection dropped: ask before retrying.
-                with session_scope(self.db_url) as session:
-                    if repo.unit_committed_by(session, unit):
-                        return True
-                raise
-
-        try:
-            ok = bool(_retry_db(attempt_commit))
-        finally:
-            if staged.exists():
-                staged.unlink()
-        crash_point("after_row_commit")
-        if not ok:
-            log.warning("unit %s attempt %s lost its lease; results dropped", unit.unit_index, unit.attempt)
-        return ok
+        return commit_unit(self.db_url, unit, result, output_dir)

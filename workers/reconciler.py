@@ -17,7 +17,7 @@ from hsx.db.session import session_scope
 from hsx.jobs import recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
-from hsx.jobs.queue import enqueue_wakeups, queued_wakeups
+from hsx.jobs.queue import wake_idle_workers
 from hsx.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -68,14 +68,36 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
         ):
             stats["finalized"] += 1
             continue
-        # Work is waiting and nothing in Redis will wake a worker for it (Redis lost it, a worker died, or
-        # every worker was busy when the last wake-up was taken): one waiting wake-up per job is enough,
-        # since whoever takes it wakes the next while units stay claimable.
-        if (claimable or state == JobState.queued.value) and queued_wakeups(settings, job_id) == 0:
-            stats["woken"] += enqueue_wakeups(settings, job_id, 1)
+        # Work is waiting and nothing in Redis may wake a worker for it (Redis lost it, a worker died,
+        # every worker was busy when the last wake-ups were taken, or workers started since): a wake-up
+        # waits for every idle worker, and whoever takes one wakes the rest while units stay claimable.
+        if claimable or state == JobState.queued.value:
+            stats["woken"] += wake_idle_workers(settings, job_id, max(claimable, 1))
         stats["temp_removed"] += _remove_stale_temp(Path(output_dir), leased, now)
     stats["dumps_removed"] += _remove_stale_dumps(settings.resolved_dump_dir, now)
     return stats
+
+
+def wake_for_a_new_worker(settings: Settings) -> int:
+    """A worker about to start: every job with claimable units gets one more wake-up, unless the ones
+    waiting already cover the idle workers and this one. The others' wake-ups were counted for the workers
+    idle at the last claim; without this a late starter would wait for the next reconciler pass."""
+    from hsx.jobs.queue import enqueue_wakeups, idle_workers, queued_wakeups
+
+    now, woken = time.time(), 0
+    with session_scope(settings.resolved_database_url) as session:
+        waiting = [
+            job_id
+            for job_id in repo.active_job_ids(session)
+            if repo.job_state(session, job_id) == JobState.running.value
+            and repo.claimable_count(session, job_id, now) > 0
+        ]
+    if waiting:
+        idle = idle_workers(settings)
+        for job_id in waiting:
+            if queued_wakeups(settings, job_id) < idle + 1:
+                woken += enqueue_wakeups(settings, job_id, 1)
+    return woken
 
 
 def _remove_stale_temp(output_dir: Path, live: set[tuple[int, int]], now: float) -> int:

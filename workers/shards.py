@@ -26,9 +26,10 @@ import numpy as np
 import numpy.typing as npt
 
 from hsx.contract import canonical_state_dtype as canonical_state_dtype
+from hsx.faults import crash_point
+from hsx.fsutil import WRITE_BEHIND_WINDOW, WriteBehind
 from hsx.safetensors_io import TensorSpec, encode_header
 from hsx.validation import LAYERS_MISMATCH, NON_FINITE, TOKEN_COUNT, SampleRejected
-from hsx.faults import crash_point
 
 CHUNK_BYTES = 1 << 20
 # Bits that are all ones in the exponent of a non-finite value, per 16-bit float format.
@@ -84,6 +85,7 @@ class ShardStream:
         dump_tensors: Sequence[str],
         capacity: int,
         chunk_bytes: int = CHUNK_BYTES,
+        write_behind: int = WRITE_BEHIND_WINDOW,
     ) -> None:
         self.path = Path(path)
         self.dtype = canonical_state_dtype(dtype)
@@ -105,6 +107,8 @@ class ShardStream:
             os.lseek(self._fd, 8 + self._reserved, os.SEEK_SET)
         except OSError as exc:
             raise ShardWriteError(self.path, exc.errno, exc.strerror or str(exc)) from exc
+        # The disk takes the shard while it is written, not all at once at the closing fsync.
+        self.write_behind = WriteBehind(self._fd, write_behind)
 
     @property
     def samples(self) -> int:
@@ -187,10 +191,12 @@ class ShardStream:
             written = os.write(self._fd, view)
             view = view[written:]
         self._data_bytes += len(data)
+        self.write_behind.advance(8 + self._reserved + self._data_bytes)
 
     def _rewind(self, data_bytes: int, digest: Any, entries: int) -> None:
         os.ftruncate(self._fd, 8 + self._reserved + data_bytes)
         os.lseek(self._fd, 8 + self._reserved + data_bytes, os.SEEK_SET)
+        self.write_behind.rewind(8 + self._reserved + data_bytes)
         self._data_bytes, self._digest = data_bytes, digest
         del self._entries[entries:]
 

@@ -76,6 +76,13 @@ class UnitResult:
     samples_done: int = 0
     tokens: int = 0
     state_bytes: int = 0
+    # Where the collecting thread's time went (seconds): waiting for an answer or its dump, copying dumps
+    # into the shard, closing the shard; and when the engine answered the unit's last prefill (monotonic).
+    # The unit's log line carries them, so a slow job shows whether the engine or the copy held it back.
+    waiting_s: float = 0.0
+    copying_s: float = 0.0
+    closing_s: float = 0.0
+    last_answer: float = 0.0
 
     def live(self) -> LiveCounts:
         return LiveCounts(self.samples_done, len(self.rejections), self.tokens)
@@ -105,6 +112,7 @@ class _Sent:
 
     rid: str
     cached_tokens: int
+    answered_at: float = 0.0  # time.monotonic()
 
 
 def dump_tensors(info: EngineInfo) -> list[str]:
@@ -130,6 +138,7 @@ class UnitProcessor:
         max_inflight_dump_bytes: int = 4 << 30,
         max_length: int | None = None,
         truncation: str = TRUNCATE,
+        write_behind: int = 32 << 20,
     ) -> None:
         self.client = client
         self.info = info
@@ -144,6 +153,7 @@ class UnitProcessor:
             raise ValueError(f"truncation must be {TRUNCATE!r} or {REJECT!r}, not {truncation!r}")
         self.max_length = max_length
         self.truncation = truncation
+        self.write_behind = write_behind
         self.dtype = canonical_state_dtype(info.dtype)
         self.tensors = dump_tensors(info)
         self.bytes_per_token = info.hidden_size * DTYPE_SIZES[self.dtype] * len(self.tensors)
@@ -192,7 +202,9 @@ class UnitProcessor:
                     raise UnitAborted("lease lost or job stopped")
                 stream = self._collect(window.popleft(), result, stream, unit, staged_path)
             if stream is not None:
+                closing = time.monotonic()
                 result.shard = stream.finish()
+                result.closing_s += time.monotonic() - closing
         except BaseException:
             for pending in window:
                 pending.future.cancel()
@@ -249,7 +261,13 @@ class UnitProcessor:
         unit: ClaimedUnit,
         staged_path: Path,
     ) -> ShardStream | None:
-        outcome = self._dump_of(unit, pending, pending.future.result())
+        waiting = time.monotonic()
+        sent = pending.future.result()
+        if isinstance(sent, _Sent):
+            result.last_answer = max(result.last_answer, sent.answered_at)
+        outcome = self._dump_of(unit, pending, sent)
+        copying = time.monotonic()
+        result.waiting_s += copying - waiting
         if isinstance(outcome, RejectionRow):
             result.rejections.append(outcome)
             return stream
@@ -260,6 +278,7 @@ class UnitProcessor:
                     dtype=self.dtype,
                     dump_tensors=self.tensors,
                     capacity=unit.sample_end - unit.sample_start,
+                    write_behind=self.write_behind,
                 )
             counted = outcome.meta.non_finite is not None and all(
                 name in outcome.meta.non_finite for name in self.tensors
@@ -281,6 +300,7 @@ class UnitProcessor:
             raise
         finally:
             self._drop(outcome)
+            result.copying_s += time.monotonic() - copying
         if pending.truncation is not None:
             result.truncations.append(pending.truncation)
         result.tokens += len(pending.input_ids)
@@ -315,7 +335,7 @@ class UnitProcessor:
             return RejectionRow(index, ENGINE_TIMEOUT, str(exc), record_id)
         finally:
             telemetry.engine_request(time.monotonic() - started)
-        return _Sent(rid, reported_cached_tokens(response))
+        return _Sent(rid, reported_cached_tokens(response), time.monotonic())
 
     def _dump_of(
         self, unit: ClaimedUnit, pending: _Pending, sent: _Sent | RejectionRow

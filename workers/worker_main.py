@@ -28,7 +28,7 @@ from hsx.jobs.queue import queue_for, redis_connection
 from hsx.logging_setup import configure_logging
 from hsx.settings import Settings, get_settings
 from workers.job_runner import lease_owner
-from workers.reconciler import FORK_LOCK, ReconcilerThread, expire_leases_of
+from workers.reconciler import FORK_LOCK, ReconcilerThread, expire_leases_of, wake_for_a_new_worker
 from workers.tasks import STOP_SIGNAL
 
 log = logging.getLogger(__name__)
@@ -77,11 +77,37 @@ def preload() -> None:
     import workers.job_runner  # noqa: F401
 
 
+def preload_tokenizer(settings: Settings) -> None:
+    """Load the engine's tokenizer once in the parent, so a horse does not spend its first second on it
+    (every horse needs it to check the job's tokenizer identity). Best effort: an engine that is not up
+    yet, or a model without tokenizer files, leaves each horse to load (or miss) it itself."""
+    from hsx.engine_client import EngineClient
+    from workers.job_runner import load_tokenizer
+
+    path = settings.tokenizer_path
+    try:
+        if not path:
+            client = EngineClient(settings.engine_url, timeout=5, retries=0)
+            try:
+                path = client.info().model_path
+            finally:
+                client.close()
+        if path:
+            load_tokenizer(path)
+    except Exception as exc:  # noqa: BLE001 - a preload never stops a worker from starting
+        log.info("no tokenizer preloaded (%s): %s", path or settings.engine_url, exc)
+
+
 def run_worker(settings: Settings, burst: bool = False, reconcile: bool = True) -> int:
     if settings.worker_nice > 0:
         os.nice(settings.worker_nice)
     configure_logging(settings.log_format, settings.log_level)
     preload()
+    preload_tokenizer(settings)
+    try:
+        wake_for_a_new_worker(settings)
+    except Exception as exc:  # noqa: BLE001 - the reconciler wakes it later
+        log.warning("could not look for jobs with work waiting: %s", exc)
     reconciler = ReconcilerThread(settings) if reconcile else None
     if reconciler is not None:
         reconciler.start()

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
 from app.deps import SessionDep, SettingsDep
 from app.jobs import schemas
 from app.jobs.document_cache import DocumentCache
-from app.jobs.service import JobService
+from app.jobs.service import JobService, render_document
 from hsx.errors import UnsupportedMediaType
 from hsx.jobs import document_queries
 from hsx.jobs import repository as repo
@@ -92,13 +92,9 @@ def document_cache(settings: Settings) -> DocumentCache:
 
 
 @router.get("/{job_id}", response_model=schemas.JobOut, responses=ERRORS)
-def get_job(job_id: str, session: SessionDep, settings: SettingsDep) -> Response:
-    cache = document_cache(settings)
-    body = cache.get(job_id)
-    if body is None:
-        service = JobService(session, settings)
-        body = service.document(service.get(job_id)).model_dump_json().encode()
-        cache.put(job_id, body)
+async def get_job(job_id: str, settings: SettingsDep) -> Response:
+    # Async, with no session of its own: a poll the cache answers never leaves the event loop.
+    body = await document_cache(settings).fetch(job_id, lambda: render_document(settings, job_id))
     # Already rendered through JobOut: sent as it is rather than validated and serialised again.
     return Response(content=body, media_type="application/json")
 

@@ -269,3 +269,12 @@ class JobService:
             error=job.error,
             created_at=job.created_at,
         )
+
+
+def render_document(settings: Settings, job_id: str) -> bytes:
+    """``GET /jobs/{id}``'s JSON, in a session of its own (the endpoint renders off the event loop)."""
+    from hsx.db.session import session_factory
+
+    with session_factory(settings.resolved_database_url)() as session:
+        service = JobService(session, settings)
+        return service.document(service.get(job_id)).model_dump_json().encode()

@@ -48,3 +48,22 @@ def queued_wakeups(settings: Settings, job_id: str) -> int:
     queue = queue_for(settings)
     prefix = f"{WAKEUP_PREFIX}{job_id}-"
     return sum(1 for jid in queue.get_job_ids() if jid.startswith(prefix))
+
+
+def idle_workers(settings: Settings) -> int:
+    """Workers registered on the queue and waiting for work (RQ's own registry)."""
+    from rq import Worker
+
+    queue = queue_for(settings)
+    return sum(1 for worker in Worker.all(queue=queue) if worker.get_state() == "idle")
+
+
+def wake_idle_workers(settings: Settings, job_id: str, claimable: int) -> int:
+    """Make sure enough wake-ups wait for a job with ``claimable`` units: one per idle worker, so they all
+    join at once rather than one after another; at least one, whatever the registry says (a worker may be
+    starting). Returns how many were enqueued."""
+    if claimable <= 0:
+        return 0
+    wanted = min(claimable, max(1, idle_workers(settings)))
+    missing = wanted - queued_wakeups(settings, job_id)
+    return enqueue_wakeups(settings, job_id, missing) if missing > 0 else 0

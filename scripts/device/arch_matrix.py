@@ -340,7 +340,8 @@ def main() -> int:
                 r.fail(f"model: {exc!r}"[:300])
             r.model_ready.set()
         for r in runs:
-            if time.time() > a.deadline - 30 or r.result["status"] != "model ready":
+            # Not the status: the server thread moves it on ("launched") as soon as the model is ready.
+            if time.time() > a.deadline - 30 or not r.prompts:
                 r.refs_ready.set()
                 continue
             try:

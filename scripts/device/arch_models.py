@@ -90,8 +90,12 @@ def build_config(name: str, tiny: bool = False) -> Any:
             qk_rope_head_dim=16 if tiny else 64,
             v_head_dim=16 if tiny else 128,
             # Read by SGLang 0.5.17's DeepseekV2 code, absent from the device's transformers config: the
-            # first matrix run died on it (docs/sglang.md).
+            # first matrix run died on moe_layer_freq (docs/sglang.md); its MoEGate and top-k read the other
+            # two (noaux_tc: the e_score_correction_bias gate, like transformers' router). Values
+            # of DeepSeek-V3's config.json.
             moe_layer_freq=1,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
             **common,
         )
     if name == "gpt_oss":

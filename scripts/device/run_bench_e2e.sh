@@ -9,7 +9,8 @@
 # It makes an 8B-shaped random Llama (32 layers, hidden 4096, bf16), starts the patched SGLang engine with
 # the radix cache off, then runs `hsx bench e2e` (uniform 256 x 1,024 and mixed 50..4,000-token sets): a
 # whole job (API, Redis, SQLite job table, N worker processes) vs plain prefill of the same prompts and vs
-# the disk's fsynced write rate, all in this call. Results: $OUT/bench_e2e.json (last line of the bench).
+# the disk's fsynced write rate, all in this call. Results: $OUT/bench_e2e.json (the bench's last line, one per
+# process count in PROCESSES), the stacks' logs in $OUT/logs.tar.gz.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 R=$(pwd)
@@ -56,9 +57,25 @@ done
 curl -sf localhost:30000/hsx/info > "$OUT/info.json" || { say "engine failed"; tail -40 "$OUT/server.log"; exit 1; }
 say "engine up"
 
-timeout 420 python3 -m hsx.cli bench e2e --engine-url http://127.0.0.1:30000 --processes "$PROCESSES" \
-  --concurrency "$CONCURRENCY" --set "$SETS" 2> "$OUT/bench_e2e.log" | tee "$OUT/bench_e2e.txt"
-say "bench exit ${PIPESTATUS[0]}"
-tail -1 "$OUT/bench_e2e.txt" > "$OUT/bench_e2e.json"
+export HSX_BENCH_LOGS="$OUT/logs"
+# PROCESSES may list several counts ("8 16") and VARIANTS several set-ups, each a whole bench run against the
+# same engine: "disk" (the job writes to the local disk, as a user's would), "shm" (it writes to /dev/shm:
+# the disk out of the measurement), "nowb" (the disk, without the shards' write-behind).
+VARIANTS=${VARIANTS:-disk}
+for P in $PROCESSES; do
+  for V in $VARIANTS; do
+    EXTRA=(); WB=$((32 << 20))
+    [ "$V" = shm ] && EXTRA=(--output-dir /dev/shm/hsx-bench-output)
+    [ "$V" = nowb ] && WB=0
+    TAG="p$P.$V"
+    HSX_SHARD_WRITE_BEHIND_BYTES=$WB timeout 420 python3 -m hsx.cli bench e2e --engine-url http://127.0.0.1:30000 \
+      --processes "$P" --concurrency "$CONCURRENCY" --set "$SETS" "${EXTRA[@]}" \
+      2> "$OUT/bench_e2e.$TAG.log" | tee "$OUT/bench_e2e.$TAG.txt"
+    say "bench ($P processes, $V) exit ${PIPESTATUS[0]}"
+    tail -1 "$OUT/bench_e2e.$TAG.txt" | sed "s/^{/{\"variant\": \"$V\", /" >> "$OUT/bench_e2e.json"
+  done
+done
 kill -TERM -- -"$SERVER" 2> /dev/null
-tail -5 "$OUT/bench_e2e.log"
+# The device hands back a bounded number of files: the stacks' logs travel as one archive.
+tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+tail -5 "$OUT"/bench_e2e.p*.log

@@ -1,0 +1,85 @@
+"""Committing a unit: publish its staged shard under its final name and record the results, fenced by the
+attempt that holds the lease, so a unit's shard and rejections are recorded exactly once whatever crashes
+or retries happen in between."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from sqlalchemy.exc import OperationalError
+
+from hsx import telemetry
+from hsx.db.session import session_scope
+from hsx.faults import crash_point
+from hsx.fsutil import fsync_dir
+from hsx.jobs import repository as repo
+from hsx.jobs.repository import ClaimedUnit, ShardRow
+from hsx.retry import DATABASE
+from workers.shards import ShardWriteError, data_sha256
+from workers.unit_processor import UnitResult
+
+log = logging.getLogger(__name__)
+
+
+def shard_path(output_dir: str, unit_index: int) -> Path:
+    return Path(output_dir) / f"shard-{unit_index:05d}.safetensors"
+
+
+def staged_path(output_dir: str, unit_index: int, attempt: int) -> Path:
+    return Path(output_dir) / f".shard-{unit_index:05d}.a{attempt}.staged"
+
+
+def commit_unit(db_url: str, unit: ClaimedUnit, result: UnitResult, output_dir: str) -> bool:
+    final = shard_path(output_dir, unit.unit_index)
+    staged = staged_path(output_dir, unit.unit_index, unit.attempt)
+    shard: ShardRow | None = None
+    if result.shard is not None:
+        telemetry.bytes_written(result.shard.bytes)
+        crash_point("after_shard_staged")
+        info = result.shard
+        shard = ShardRow(str(final), info.sha256, info.bytes, info.samples, info.tokens, info.header_sha256)
+
+    def publish() -> None:
+        if shard is not None:
+            if staged.exists():
+                os.replace(staged, final)
+                fsync_dir(final.parent)
+            elif data_sha256(final) != shard.sha256:
+                # Not renamed by an earlier try of this commit (whose transaction was then lost).
+                raise ShardWriteError(final, None, f"the staged shard {staged.name} is gone")
+            crash_point("after_rename")
+        crash_point("before_row_commit")
+
+    def attempt_commit() -> bool:
+        try:
+            with session_scope(db_url) as session:
+                return repo.commit_unit(
+                    session,
+                    unit,
+                    time.time(),
+                    shard,
+                    result.rejections,
+                    result.samples_done,
+                    result.tokens,
+                    publish,
+                    result.truncations,
+                )
+        except OperationalError:
+            # The commit may have landed before the connection dropped: ask before retrying.
+            with session_scope(db_url) as session:
+                if repo.unit_committed_by(session, unit):
+                    return True
+            raise
+
+    try:
+        ok = bool(DATABASE.call(attempt_commit, (OperationalError,), "a database call"))
+    finally:
+        if staged.exists():
+            staged.unlink()
+    crash_point("after_row_commit")
+    if not ok:
+        log.warning("unit %s attempt %s lost its lease; results dropped", unit.unit_index, unit.attempt)
+    return ok
