@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from workers import dataset
 from workers.dataset import DatasetError, SampleError
+from workers.records import inspect_head
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 SAMPLE_CHATS = DATA / "sample_chats.jsonl"
@@ -44,8 +44,6 @@ def test_sample_chats_are_all_valid_messages_records() -> None:
         assert isinstance(sample, list)
         assert any(message["role"] == "assistant" for message in sample)
         assert all(set(message) == {"role", "content"} for message in sample)
-    summary = dataset.validate_dataset_file(SAMPLE_CHATS, max_bytes=1 << 20)
-    assert summary == dataset.DatasetSummary(24, SAMPLE_CHATS.stat().st_size, "messages", "jsonl")
 
 
 def test_bad_records_become_per_sample_errors_at_stable_indices() -> None:
@@ -65,25 +63,11 @@ def test_bad_records_become_per_sample_errors_at_stable_indices() -> None:
     assert isinstance(good, list) and good[0]["content"] == "Name a prime number greater than 10."
 
 
-def test_sub_ranges_match_the_full_read_with_and_without_an_index() -> None:
+def test_sub_ranges_match_the_full_read() -> None:
     everything = list(dataset.iter_samples(BAD_CHATS, 0, 100))
-    index = dataset.build_line_index(BAD_CHATS)
-    assert len(index) == len(everything)
     for start in range(len(everything) + 2):
         for end in range(start, len(everything) + 3):
-            expected = everything[start:end]
-            assert list(dataset.iter_samples(BAD_CHATS, start, end)) == expected
-            assert list(dataset.iter_samples(BAD_CHATS, start, end, line_index=index)) == expected
-
-
-def test_line_index_points_at_each_record(tmp_path: Path) -> None:
-    path = _write_lines(
-        tmp_path / "d.jsonl", [json.dumps(_chat("a", "b")), "   ", json.dumps(_chat("c", "d"))], "\r\n"
-    )
-    index = dataset.build_line_index(path)
-    blob = path.read_bytes()
-    assert [blob[offset : offset + 1] for offset in index] == [b"{", b"{"]
-    assert index[1] == blob.index(b'{"messages"', 1)
+            assert list(dataset.iter_samples(BAD_CHATS, start, end)) == everything[start:end]
 
 
 def test_bad_range_is_refused() -> None:
@@ -91,36 +75,6 @@ def test_bad_range_is_refused() -> None:
         list(dataset.iter_samples(BAD_CHATS, -1, 3))
     with pytest.raises(ValueError):
         list(dataset.iter_samples(BAD_CHATS, 4, 3))
-
-
-def test_line_index_saves_loads_and_goes_stale(tmp_path: Path) -> None:
-    path = _write_lines(tmp_path / "d.jsonl", [json.dumps(_chat(f"q{i}", f"a{i}")) for i in range(5)])
-    index = dataset.build_line_index(path)
-    index_path = tmp_path / "d.lidx"
-    dataset.save_line_index(index, index_path, path)
-    assert dataset.load_line_index(index_path, path) == index
-    assert index_path.stat().st_size == 8 + 32 + 8 * len(index)
-    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
-
-    with open(path, "ab") as fh:
-        fh.write(json.dumps(_chat("late", "addition")).encode() + b"\n")
-    os.utime(path, ns=(1, 1))  # a changed size alone makes it stale; a changed mtime too
-    assert dataset.load_line_index(index_path, path) is None
-    index_path.write_bytes(b"garbage")
-    assert dataset.load_line_index(index_path, path) is None
-    assert dataset.load_line_index(tmp_path / "missing.lidx", path) is None
-
-
-def test_cached_line_index_builds_once_and_reuses(tmp_path: Path) -> None:
-    path = _write_lines(tmp_path / "d.jsonl", [json.dumps(_chat(f"q{i}", f"a{i}")) for i in range(3)])
-    cache = tmp_path / "cache"
-    first = dataset.cached_line_index(path, cache)
-    assert first == dataset.build_line_index(path)
-    stored = list(cache.iterdir())
-    assert len(stored) == 1
-    mtime = stored[0].stat().st_mtime_ns
-    assert dataset.cached_line_index(path, cache) == first
-    assert stored[0].stat().st_mtime_ns == mtime
 
 
 def test_sharegpt_records_are_normalized(tmp_path: Path) -> None:
@@ -139,7 +93,7 @@ def test_sharegpt_records_are_normalized(tmp_path: Path) -> None:
         {"role": "assistant", "content": "Hello"},
     ]
     assert messages == [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    assert dataset.validate_dataset_file(path, 1 << 20).format_guess == "mixed"
+    assert inspect_head(str(path), 1 << 20) == "mixed"
 
     # A forced format refuses records of the other one instead of guessing.
     [(_, forced)] = list(dataset.iter_samples(path, 0, 1, record_format="messages"))
@@ -189,9 +143,6 @@ def test_byte_order_mark_and_crlf(tmp_path: Path) -> None:
     assert dataset.count_samples(path) == 1
     [(_, sample)] = list(dataset.iter_samples(path, 0, 5))
     assert isinstance(sample, list)
-    index = dataset.build_line_index(path)
-    assert index == [3]
-    assert list(dataset.iter_samples(path, 0, 5, line_index=index)) == [(0, sample)]
 
 
 def test_json_array_files(tmp_path: Path) -> None:
@@ -203,12 +154,6 @@ def test_json_array_files(tmp_path: Path) -> None:
     results = list(dataset.iter_samples(path, 1, 10))
     assert [index for index, _ in results] == [1, 2]
     assert isinstance(results[0][1], SampleError) and results[0][1].reason == dataset.EMPTY_CONVERSATION
-    summary = dataset.validate_dataset_file(path, 1 << 20)
-    assert (summary.samples, summary.layout, summary.format_guess) == (3, "json_array", "messages")
-    assert dataset.cached_line_index(path, tmp_path / "cache") is None
-    with pytest.raises(DatasetError) as caught:
-        dataset.build_line_index(path)
-    assert caught.value.reason == dataset.FILE_NOT_INDEXABLE
 
 
 @pytest.mark.parametrize(
@@ -226,23 +171,21 @@ def test_validation_refuses_unusable_files(tmp_path: Path, content: bytes, reaso
     path = tmp_path / "d.jsonl"
     path.write_bytes(content)
     with pytest.raises(DatasetError) as caught:
-        dataset.validate_dataset_file(path, max_bytes=1 << 20)
+        inspect_head(str(path), 1 << 20)
     assert caught.value.reason == reason
 
 
 def test_validation_refuses_large_and_missing_files(tmp_path: Path) -> None:
     with pytest.raises(DatasetError) as caught:
-        dataset.validate_dataset_file(SAMPLE_CHATS, max_bytes=100)
+        inspect_head(str(SAMPLE_CHATS), 100)
     assert caught.value.reason == dataset.FILE_TOO_LARGE
     with pytest.raises(DatasetError) as caught:
-        dataset.validate_dataset_file(tmp_path / "absent.jsonl", max_bytes=100)
+        inspect_head(str(tmp_path / "absent.jsonl"), 100)
     assert caught.value.reason == dataset.FILE_NOT_FOUND
 
 
 def test_validation_accepts_a_file_whose_first_records_are_partly_broken() -> None:
-    summary = dataset.validate_dataset_file(BAD_CHATS, max_bytes=1 << 20)
-    assert summary.samples == len(BAD_CHATS_EXPECTED)
-    assert summary.format_guess == "messages"
+    assert inspect_head(str(BAD_CHATS), 1 << 20) == "messages"
 
 
 def test_openai_shapes_are_read() -> None:

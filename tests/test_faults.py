@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import PG_ADMIN_URL, REDIS_URL
+from tests.fixtures.jobs import running_job
 from tests.fixtures.stack import REPO, Stack, make_stack
 
 T = TypeVar("T")
@@ -537,7 +537,7 @@ def test_commit_retried_after_its_connection_drops_past_the_rename(
         if name == "before_row_commit" and not cut:
             cut.append(terminate_open_transactions(db_url))
 
-    monkeypatch.setattr("workers.job_runner.crash_point", cut_connection)
+    monkeypatch.setattr("workers.unit_commit.crash_point", cut_connection)
     runner = JobRunner(job_id, get_settings())
     while runner.run_one().more_work:
         pass
@@ -713,25 +713,11 @@ def _claimer(db_url: str, job_id: str, lease: float, stall: float, marks: str, r
 
 
 def _race(db_url: str, tmp_path: Path, lease: float, stall: float) -> tuple[str, list[tuple[int, int, bool]]]:
-    from hsx.db.models import Job, JobState
     from hsx.db.session import session_scope
     from hsx.jobs import repository as repo
 
-    job_id = str(uuid.uuid4())
     per_unit, count = 4, 50
-    with session_scope(db_url) as session:
-        job = Job(
-            id=job_id,
-            state=JobState.running.value,
-            dataset_uri="race",
-            dataset_path="race",
-            options={},
-            request_hash="0" * 64,
-            output_dir=str(tmp_path),
-            samples_total=per_unit * count,
-            units_total=count,
-        )
-        repo.add_job(session, job, [(i * per_unit, (i + 1) * per_unit) for i in range(count)])
+    job_id = running_job(db_url, tmp_path, units=count, per_unit=per_unit, dataset="race")
     marks = tmp_path / "published"
     marks.mkdir()
     ctx = multiprocessing.get_context("fork")

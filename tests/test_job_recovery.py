@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.fixtures.jobs import running_job
 from tests.fixtures.stack import REPO, Stack, make_stack
 from tests.fixtures.synthetic import Engines, Synthetic, tokenizer_copy, write_pretokenized
 
@@ -92,6 +94,26 @@ def rejections(stack: Stack, job_id: str) -> dict[int, dict[str, Any]]:
 
 
 # --- a unit that keeps failing -----------------------------------------------------------------------------
+
+
+def test_each_committed_unit_logs_where_its_time_went(
+    synth: tuple[Stack, Synthetic], caplog: pytest.LogCaptureFixture
+) -> None:
+    stack, engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 6)
+    job_id = stack.submit(data, samples_per_shard=3)["id"]
+    with caplog.at_level(logging.INFO, logger="workers.job_runner"):
+        outcome = runner(engine.url)(job_id).run()
+    assert stack.job(job_id)["state"] == "succeeded", outcome
+    claims = [r for r in caplog.records if "claimed unit" in r.getMessage()]
+    units = [r for r in caplog.records if getattr(r, "tail_s", None) is not None]
+    assert len(claims) == len(units) == 2
+    for record in units:
+        timing = {name: getattr(record, name) for name in ("waiting_s", "copying_s", "closing_s", "commit_s")}
+        assert all(value >= 0 for value in timing.values()), timing
+        assert timing["copying_s"] > 0 and timing["commit_s"] > 0, timing
+        # From the last answer to the commit: at least the copy of that sample and the commit.
+        assert record.tail_s >= timing["commit_s"], (record.tail_s, timing)
 
 
 def test_an_unexpected_error_ends_the_unit_after_three_attempts_and_a_retry_resumes_it(
@@ -377,25 +399,11 @@ def test_retry_reruns_engine_side_rejections_and_publishes_each_sample_once(
 
 def test_a_stale_attempt_can_neither_fail_the_job_nor_count_a_failure(db_url: str, tmp_path: Path) -> None:
     """``_fail`` acting for a unit checks the lease: an attempt whose lease was taken does nothing."""
-    from hsx.db.models import Job, JobState
     from hsx.db.session import session_scope
     from hsx.jobs import recovery
     from hsx.jobs import repository as repo
 
-    job_id = str(uuid.uuid4())
-    with session_scope(db_url) as session:
-        job = Job(
-            id=job_id,
-            state=JobState.running.value,
-            dataset_uri="x",
-            dataset_path="x",
-            options={},
-            request_hash="0" * 64,
-            output_dir=str(tmp_path),
-            samples_total=4,
-            units_total=1,
-        )
-        repo.add_job(session, job, [(0, 4)])
+    job_id = running_job(db_url, tmp_path, units=1)
     with session_scope(db_url) as session:
         stale = repo.claim_unit(session, job_id, "host:1@a", 0.01, time.time())
     time.sleep(0.05)

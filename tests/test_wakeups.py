@@ -17,6 +17,7 @@ from rq import Worker
 
 from hsx.jobs.queue import queue_for, queued_wakeups, wake_idle_workers
 from hsx.settings import Settings
+from tests.fixtures.jobs import running_job
 
 
 @pytest.fixture
@@ -59,28 +60,6 @@ def test_a_job_with_work_gets_one_wake_up_when_no_worker_is_registered(settings:
     assert wake_idle_workers(settings, "job-a", claimable=5) == 1
     assert wake_idle_workers(settings, "job-a", claimable=5) == 0
     assert queued_wakeups(settings, "job-a") == 1
-
-
-def running_job(db_url: str, output_dir: Path, units: int) -> str:
-    from hsx.db.models import Job, JobState
-    from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
-
-    job_id = str(uuid.uuid4())
-    with session_scope(db_url) as session:
-        job = Job(
-            id=job_id,
-            state=JobState.running.value,
-            dataset_uri="x",
-            dataset_path="x",
-            options={},
-            request_hash="0" * 64,
-            output_dir=str(output_dir),
-            samples_total=4 * units,
-            units_total=units,
-        )
-        repo.add_job(session, job, [(4 * i, 4 * i + 4) for i in range(units)])
-    return job_id
 
 
 def test_workers_that_start_late_find_the_work_waiting(

@@ -5,25 +5,19 @@ JSONL file (blank meaning only spaces, tabs and line breaks), or element ``i`` o
 that cannot be used becomes a :class:`SampleError` at its own index; it never stops the unit and is never
 skipped, so every index a unit owns is accounted for.
 
-Seeking: :func:`iter_samples` without an index scans raw lines up to ``start`` (it splits bytes, it never
-parses JSON before ``start``). Callers that visit many units of one big file build the byte-offset index
-once with :func:`build_line_index` (or :func:`cached_line_index`, which keeps it next to a cache key in a
-compact little-endian ``uint64`` file) and pass it in, which turns the seek into one ``file.seek``.
-A JSON array has no line structure: it is parsed whole each time it is read.
+Jobs read each unit by the byte range the job's preparation stored (:mod:`workers.records`); this module
+parses and normalizes records, and :func:`iter_samples` is the plain front-to-back reading that defines
+the numbering.
 
 Standard library only.
 """
 
 from __future__ import annotations
 
-import array
-import hashlib
 import json
 import os
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
 from hsx.errors import ReasonError
@@ -48,10 +42,6 @@ FILE_EMPTY = "empty_file"
 FILE_TOO_LARGE = "too_large"
 FILE_NOT_JSON_LINES = "not_json_lines"
 FILE_UNRECOGNIZED_FORMAT = "unrecognized_format"
-FILE_NOT_INDEXABLE = "not_indexable"
-
-# What validation reads to guess the format; enough to catch a wrong file without reading a large one.
-VALIDATION_RECORDS = 8
 
 _JSON_WHITESPACE = b" \t\r\n"
 _UTF8_BOM = b"\xef\xbb\xbf"
@@ -75,7 +65,6 @@ _SHAREGPT_ROLES = {
     "observation": "tool",
     "tool": "tool",
 }
-_INDEX_MAGIC = b"HSXLIDX1"
 
 
 class ToolFunction(TypedDict):
@@ -115,14 +104,6 @@ RawSample = list[ChatMessage] | SampleError
 
 class DatasetError(ReasonError):
     """The file as a whole is unusable (raised at submit time, or when an index cannot be built)."""
-
-
-@dataclass(frozen=True)
-class DatasetSummary:
-    samples: int
-    bytes: int
-    format_guess: str  # "messages", "sharegpt" or "mixed"
-    layout: Layout = "jsonl"
 
 
 # --- layout and line scanning --------------------------------------------------------------------------
@@ -179,70 +160,6 @@ def count_samples(path: str | os.PathLike[str]) -> int:
     if detect_layout(path) == "json_array":
         return len(_load_array(path))
     return sum(1 for _ in _iter_nonblank_lines(path))
-
-
-# --- line-offset index ---------------------------------------------------------------------------------
-
-
-def build_line_index(path: str | os.PathLike[str]) -> list[int]:
-    """Byte offset of every sample's line in a JSONL file (entry ``i`` is where sample ``i`` starts)."""
-    if detect_layout(path) == "json_array":
-        raise DatasetError(FILE_NOT_INDEXABLE, "a JSON array file has no line index; read it without one")
-    return [offset for offset, _ in _iter_nonblank_lines(path)]
-
-
-def _index_key(path: Path) -> bytes:
-    # The index is valid for this exact file version: path, size and modification time.
-    stat = path.stat()
-    return hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).digest()
-
-
-def save_line_index(index: Sequence[int], index_path: Path, dataset_path: Path) -> None:
-    """Store ``index`` as magic + key + little-endian uint64 offsets, written through a rename."""
-    offsets = array.array("Q", index)
-    if sys.byteorder != "little":
-        offsets.byteswap()
-    tmp = index_path.with_name(index_path.name + f".{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(_INDEX_MAGIC)
-        fh.write(_index_key(dataset_path))
-        fh.write(offsets.tobytes())
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, index_path)
-
-
-def load_line_index(index_path: Path, dataset_path: Path) -> list[int] | None:
-    """The stored index, or None when it is missing, corrupt, or was built for another file version."""
-    try:
-        blob = index_path.read_bytes()
-        key = _index_key(dataset_path)
-    except OSError:
-        return None
-    header = len(_INDEX_MAGIC) + len(key)
-    if blob[: len(_INDEX_MAGIC)] != _INDEX_MAGIC or blob[len(_INDEX_MAGIC) : header] != key:
-        return None
-    if (len(blob) - header) % 8:
-        return None
-    offsets = array.array("Q")
-    offsets.frombytes(blob[header:])
-    if sys.byteorder != "little":
-        offsets.byteswap()
-    return offsets.tolist()
-
-
-def cached_line_index(dataset_path: Path, cache_dir: Path) -> list[int] | None:
-    """Load or build-and-store the line index of a JSONL file; None for a JSON array (nothing to index)."""
-    if detect_layout(dataset_path) == "json_array":
-        return None
-    name = hashlib.sha256(str(dataset_path.resolve()).encode()).hexdigest()[:32] + ".lidx"
-    index_path = cache_dir / name
-    index = load_line_index(index_path, dataset_path)
-    if index is None:
-        index = build_line_index(dataset_path)
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        save_line_index(index, index_path, dataset_path)
-    return index
 
 
 # --- record normalization ------------------------------------------------------------------------------
@@ -420,12 +337,10 @@ def iter_samples(
     end: int,
     *,
     record_format: RecordFormat = "auto",
-    line_index: Sequence[int] | None = None,
 ) -> Iterator[tuple[int, RawSample]]:
-    """Yield ``(index, sample)`` for ``start <= index < end`` (``end`` clipped to the dataset's size).
-
-    ``line_index`` (from :func:`build_line_index` for this exact file) makes the seek O(1).
-    """
+    """Yield ``(index, sample)`` for ``start <= index < end`` (``end`` clipped to the dataset's size), by
+    scanning from the start of the file: the reference reading of sample numbering. Jobs read a unit by
+    its byte range instead (:mod:`workers.records`)."""
     if start < 0 or end < start:
         raise ValueError(f"bad sample range [{start}, {end})")
     if detect_layout(path) == "json_array":
@@ -433,53 +348,8 @@ def iter_samples(
         for index in range(start, min(end, len(records))):
             yield index, normalize_record(records[index], record_format)
         return
-    if line_index is not None:
-        if start >= len(line_index):
-            return
-        lines = _iter_nonblank_lines(path, line_index[start])
-        index = start
-    else:
-        lines = _iter_nonblank_lines(path)
-        index = 0
-    for _, line in lines:
+    for index, (_, line) in enumerate(_iter_nonblank_lines(path)):
         if index >= end:
             break
         if index >= start:
             yield index, parse_line(line, record_format)
-        index += 1
-
-
-def validate_dataset_file(path: str | os.PathLike[str], max_bytes: int) -> DatasetSummary:
-    """The submit-time check: size, that records are JSON objects of a known format, and the count."""
-    try:
-        size = os.stat(path).st_size
-    except OSError as exc:
-        raise DatasetError(FILE_NOT_FOUND, f"cannot read {os.fspath(path)}: {exc.strerror}") from exc
-    if size > max_bytes:
-        raise DatasetError(FILE_TOO_LARGE, f"{size} bytes, the limit is {max_bytes}")
-    layout = detect_layout(path)
-    if layout == "json_array":
-        records = _load_array(path)
-        head: list[Any] = records[:VALIDATION_RECORDS]
-        samples = len(records)
-    else:
-        head = []
-        for _, line in _iter_nonblank_lines(path):
-            try:
-                head.append(json.loads(line))
-            except (ValueError, RecursionError):
-                head.append(None)
-            if len(head) >= VALIDATION_RECORDS:
-                break
-        samples = count_samples(path) if head else 0
-    if not head:
-        raise DatasetError(FILE_EMPTY, "the file holds no records")
-    if not any(isinstance(record, dict) for record in head):
-        raise DatasetError(FILE_NOT_JSON_LINES, f"none of the first {len(head)} records is a JSON object")
-    formats = {fmt for fmt in (record_format_of(record) for record in head) if fmt is not None}
-    if not formats:
-        raise DatasetError(
-            FILE_UNRECOGNIZED_FORMAT, "records have neither 'messages' nor 'conversations' (sharegpt)"
-        )
-    format_guess = formats.pop() if len(formats) == 1 else "mixed"
-    return DatasetSummary(samples=samples, bytes=size, format_guess=format_guess, layout=layout)

@@ -75,6 +75,8 @@ class DocumentCache:
 
     def _rendering(self, job_id: str, render: Callable[[], bytes]) -> asyncio.Task[bytes]:
         task = self._renders.get(job_id)
+        if task is not None and task.get_loop() is not asyncio.get_running_loop():
+            task = None  # left by an event loop that has ended (a test client's); never awaited across loops
         if task is None:
             with self._lock:
                 generation = self._generations.get(job_id, 0)

@@ -58,6 +58,8 @@ curl -sf localhost:30000/hsx/info > "$OUT/info.json" || { say "engine failed"; t
 say "engine up"
 
 export HSX_BENCH_LOGS="$OUT/logs"
+# CPU, memory and disk activity second by second, to line up with the jobs' timelines (bench_e2e.*.log).
+(vmstat -t 1 > "$OUT/vmstat.txt" 2>&1 &)
 # PROCESSES may list several counts ("8 16") and VARIANTS several set-ups, each a whole bench run against the
 # same engine: "disk" (the job writes to the local disk, as a user's would), "shm" (it writes to /dev/shm:
 # the disk out of the measurement), "nowb" (the disk, without the shards' write-behind).
@@ -76,6 +78,7 @@ for P in $PROCESSES; do
   done
 done
 kill -TERM -- -"$SERVER" 2> /dev/null
+pkill -x vmstat 2> /dev/null
 # The device hands back a bounded number of files: the stacks' logs travel as one archive.
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
 tail -5 "$OUT"/bench_e2e.p*.log
