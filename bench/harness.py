@@ -268,11 +268,15 @@ def read_prompts(dataset: Path, limit: int | None = None) -> list[list[int]]:
 
 def job_rate(doc: dict[str, Any]) -> float:
     """tok/s of a finished job from its own record: tokens over started_at..finished_at."""
+    seconds = _timestamp(doc["finished_at"]) - _timestamp(doc["started_at"])
+    return float(doc["progress"]["tokens"]) / max(seconds, 1e-6)
+
+
+def _timestamp(text: Any) -> float:
+    """Seconds since the epoch of an ISO 8601 time, as the API and the JSON log write them."""
     from datetime import datetime
 
-    started = datetime.fromisoformat(str(doc["started_at"]).replace("Z", "+00:00"))
-    finished = datetime.fromisoformat(str(doc["finished_at"]).replace("Z", "+00:00"))
-    return float(doc["progress"]["tokens"]) / max((finished - started).total_seconds(), 1e-6)
+    return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
 
 
 def table(rows: Sequence[tuple[str, str]]) -> None:
@@ -290,12 +294,7 @@ def job_timeline(log_path: Path, doc: dict[str, Any]) -> dict[str, float]:
     seconds after ``started_at`` of the first and the last worker's first claim (how fast the workers
     joined), of the engine's answer to the last prefill and of the last unit's commit (the difference is the
     copy and commit behind the engine); and where the units' collecting threads spent their time."""
-    from datetime import datetime
-
-    def at(text: str) -> float:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-    start, end = at(str(doc["started_at"])), at(str(doc["finished_at"]))
+    start, end = _timestamp(doc["started_at"]), _timestamp(doc["finished_at"])
     first_claims: dict[int, float] = {}
     commits: list[float] = []
     answers: list[float] = []  # when the engine answered each unit's last prefill
@@ -309,7 +308,7 @@ def job_timeline(log_path: Path, doc: dict[str, Any]) -> dict[str, float]:
             continue
         if record.get("job_id") != doc["id"] or "unit" not in record:
             continue
-        ts, message = at(str(record["ts"])), str(record.get("msg", ""))
+        ts, message = _timestamp(record["ts"]), str(record.get("msg", ""))
         if "claimed unit" in message:
             first_claims.setdefault(int(record.get("pid", 0)), ts)
         elif f"unit {record['unit']}:" in message:

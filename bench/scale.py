@@ -35,14 +35,6 @@ def read_cost(records_path: str, units: list[tuple[int, int, int, int]], repeat:
     return (time.perf_counter() - started) / (repeat * len(units))
 
 
-def registered_workers(env: dict[str, str]) -> int:
-    from redis import Redis
-    from rq import Queue, Worker
-
-    connection = Redis.from_url(env["HSX_REDIS_URL"])
-    return len(Worker.all(queue=Queue(env["HSX_QUEUE_NAME"], connection=connection)))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hsx bench scale", description=__doc__)
     parser.add_argument("--samples", type=int, default=100_000)
@@ -65,12 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         write_pretokenized(dataset, [args.tokens] * args.samples)
         stack.start_engine_synthetic(16, 8)
         stack.start_api()
-        stack.start_workers(args.processes)
         started = time.perf_counter()
-        while registered_workers(stack.env) < args.processes:  # 16 imports on a small host take a while
-            if time.perf_counter() - started > 600:
-                raise SystemExit("the worker processes did not all start within 600 s")
-            time.sleep(0.5)
+        stack.start_workers(args.processes, timeout=600)  # 16 imports on a small host take a while
         say(f"{args.processes} worker processes ready after {time.perf_counter() - started:.0f}s")
         job_id, submit_s = stack.submit(dataset, samples_per_shard=args.samples_per_shard)
         submitted = time.perf_counter()

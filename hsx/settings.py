@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 from pydantic import SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from hsx.fsutil import WRITE_BEHIND_WINDOW
+
 
 def _default_dump_dir() -> str:
     # Shared memory keeps per-request dumps off the disk where it exists (Linux); elsewhere a temp folder.
@@ -67,7 +69,7 @@ class Settings(BaseSettings):
     max_inflight_dump_bytes: int = 4 << 30
     # A shard is handed to the disk every this many bytes as it is written (workers/shards.py), so the disk
     # works while the engine computes and the closing fsync has little left; 0 leaves it all to that fsync.
-    shard_write_behind_bytes: int = 32 << 20
+    shard_write_behind_bytes: int = WRITE_BEHIND_WINDOW
     # Worker processes `hsx worker` starts on this host (each one unit in flight at a time).
     worker_processes: int = 1
     # Attempts of a unit that may end in an error before the unit, and its job, fail with the last reason.

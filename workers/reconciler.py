@@ -79,25 +79,17 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
 
 
 def wake_for_a_new_worker(settings: Settings) -> int:
-    """A worker about to start: every job with claimable units gets one more wake-up, unless the ones
-    waiting already cover the idle workers and this one. The others' wake-ups were counted for the workers
+    """A worker about to start: every job with claimable units gets wake-ups for the idle workers and this
+    one, less those already waiting. The others' wake-ups were counted for the workers
     idle at the last claim; without this a late starter would wait for the next reconciler pass."""
-    from hsx.jobs.queue import enqueue_wakeups, idle_workers, queued_wakeups
-
-    now, woken = time.time(), 0
+    now = time.time()
     with session_scope(settings.resolved_database_url) as session:
-        waiting = [
-            job_id
+        waiting = {
+            job_id: repo.claimable_count(session, job_id, now)
             for job_id in repo.active_job_ids(session)
             if repo.job_state(session, job_id) == JobState.running.value
-            and repo.claimable_count(session, job_id, now) > 0
-        ]
-    if waiting:
-        idle = idle_workers(settings)
-        for job_id in waiting:
-            if queued_wakeups(settings, job_id) < idle + 1:
-                woken += enqueue_wakeups(settings, job_id, 1)
-    return woken
+        }
+    return sum(wake_idle_workers(settings, job, claimable, joining=1) for job, claimable in waiting.items())
 
 
 def _remove_stale_temp(output_dir: Path, live: set[tuple[int, int]], now: float) -> int:

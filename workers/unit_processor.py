@@ -42,6 +42,7 @@ from hsx.engine_client import (
     EngineUnfit,
     delete_dump,
 )
+from hsx.fsutil import WRITE_BEHIND_WINDOW
 from hsx.jobs.repository import ClaimedUnit, LiveCounts, RejectionRow, TruncationRow
 from hsx.safetensors_io import DTYPE_SIZES
 from hsx.validation import ENGINE_TIMEOUT, TOO_LONG, SampleRejected, check_dump
@@ -138,7 +139,7 @@ class UnitProcessor:
         max_inflight_dump_bytes: int = 4 << 30,
         max_length: int | None = None,
         truncation: str = TRUNCATE,
-        write_behind: int = 32 << 20,
+        write_behind: int = WRITE_BEHIND_WINDOW,
     ) -> None:
         self.client = client
         self.info = info

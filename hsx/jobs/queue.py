@@ -58,12 +58,12 @@ def idle_workers(settings: Settings) -> int:
     return sum(1 for worker in Worker.all(queue=queue) if worker.get_state() == "idle")
 
 
-def wake_idle_workers(settings: Settings, job_id: str, claimable: int) -> int:
-    """Make sure enough wake-ups wait for a job with ``claimable`` units: one per idle worker, so they all
-    join at once rather than one after another; at least one, whatever the registry says (a worker may be
-    starting). Returns how many were enqueued."""
+def wake_idle_workers(settings: Settings, job_id: str, claimable: int, joining: int = 0) -> int:
+    """Make sure enough wake-ups wait for a job with ``claimable`` units: one per idle worker, plus
+    ``joining`` for workers about to register, so they all join at once rather than one after another; at
+    least one, whatever the registry says (a worker may be starting). Returns how many were enqueued."""
     if claimable <= 0:
         return 0
-    wanted = min(claimable, max(1, idle_workers(settings)))
+    wanted = min(claimable, max(1, idle_workers(settings) + joining))
     missing = wanted - queued_wakeups(settings, job_id)
     return enqueue_wakeups(settings, job_id, missing) if missing > 0 else 0
