@@ -92,12 +92,15 @@ def main(argv: list[str] | None = None) -> int:
             stack.start_workers(args.processes)
             drive_engine(args.engine_url, prompts[:16], in_flight, None, captured=False)  # warm-up
 
-            def baselines(prompts: list[list[int]] = prompts, out: Path = out) -> tuple[float, float]:
+            def baselines(prompts: list[list[int]] = prompts, out: Path = out) -> tuple[float, float, float]:
                 plain = drive_engine(args.engine_url, prompts, in_flight, None, captured=False)
+                # Not a baseline of the ratio: the engine with the plugin dumping every prompt (each dump
+                # deleted unread), which tells the plugin's cost from the workers'.
+                captured = drive_engine(args.engine_url, prompts, in_flight, info.dump_dir, captured=True)
                 disk = fsynced_write_rate(out.parent / "disk-baseline", 4 << 30, args.processes)
-                return plain, disk / bytes_per_token
+                return plain, captured, disk / bytes_per_token
 
-            plain_before, disk_before = baselines()
+            plain_before, captured_before, disk_before = baselines()
             say(f"{name}: plain {plain_before:,.0f} tok/s, disk {disk_before:,.0f} tok/s; running the job")
             job_id, _ = stack.submit(dataset, samples_per_shard=per_shard)
             doc = stack.wait(job_id, timeout=1800)
@@ -105,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"job {doc['state']}: {doc.get('error')}")
             job = job_rate(doc)
             timeline = job_timeline(stack.local.log_dir / "workers.log", doc)
-            plain_after, disk_after = baselines()
+            plain_after, captured_after, disk_after = baselines()
             plain, disk = mean([plain_before, plain_after]), mean([disk_before, disk_after])
+            captured = mean([captured_before, captured_after])
             results[name] = {
                 "samples": args.samples,
                 "tokens": total,
@@ -116,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
                 "job_tok_s": round(job),
                 "plain_tok_s": round(plain),
                 "disk_tok_s": round(disk),
+                "captured_tok_s": round(captured),
                 "plain_before_after": [round(plain_before), round(plain_after)],
                 "disk_before_after": [round(disk_before), round(disk_after)],
                 "samples_done": doc["progress"]["samples_done"],
                 "rejected": doc["progress"]["samples_rejected"],
                 "ratio": round(job / min(plain, disk), 3),
                 "ratio_vs_plain": round(job / plain, 3),
+                "captured_vs_plain": round(captured / plain, 3),
                 "timeline": timeline,
             }
             if output_dir is not None:

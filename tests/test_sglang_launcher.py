@@ -12,6 +12,8 @@ from hsx import contract
 from workers.engines.sglang import launcher
 from workers.engines.sglang.config import (
     ENV_FINAL_STATE,
+    ENV_SWITCH_INTERVAL_MS,
+    ENV_WRITERS,
     SUPPORTED_RANGE,
     VERSION_OVERRIDE_FLAG,
     PluginConfig,
@@ -41,10 +43,32 @@ def test_hsx_flags_are_taken_out_and_the_rest_goes_to_sglang() -> None:
     assert split_args([])[0].final_state == "post" and not split_args([])[0].allow_unsupported_sglang_version
 
 
-@pytest.mark.parametrize("bad", [["--final-state", "last"], ["--pinned-mb", "0"], ["--writer-threads", "0"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--final-state", "last"],
+        ["--pinned-mb", "0"],
+        ["--writer-threads", "0"],
+        ["--switch-interval-ms", "-1"],
+        ["--switch-interval-ms", "500"],
+    ],
+)
 def test_bad_hsx_flags_are_refused(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises((SystemExit, ValueError)):
         split_args(bad)
+
+
+def test_writer_flags_default_to_the_deployments_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The flags used to default to 4 writers whatever HSX_SGLANG_WRITER_THREADS said.
+    monkeypatch.delenv(ENV_WRITERS, raising=False)
+    monkeypatch.delenv(ENV_SWITCH_INTERVAL_MS, raising=False)
+    ns, _ = split_args([])
+    assert (ns.writer_threads, ns.switch_interval_ms) == (8, 0.5)
+    monkeypatch.setenv(ENV_WRITERS, "12")
+    monkeypatch.setenv(ENV_SWITCH_INTERVAL_MS, "0")
+    ns, _ = split_args([])
+    assert (ns.writer_threads, ns.switch_interval_ms) == (12, 0.0)
+    assert split_args(["--writer-threads", "3"])[0].writer_threads == 3
 
 
 def test_sglang_gets_what_the_capture_needs() -> None:
@@ -167,7 +191,13 @@ def test_launch_problems_add_the_launchers_own() -> None:
 
 def test_the_plugin_config_travels_through_the_environment() -> None:
     cfg = PluginConfig(
-        "/d", [1, 2], pinned_mb=64, writer_threads=3, final_state="pre", allow_any_version=True
+        "/d",
+        [1, 2],
+        pinned_mb=64,
+        writer_threads=3,
+        switch_interval_ms=0,
+        final_state="pre",
+        allow_any_version=True,
     )
     env = cfg.to_env()
     assert env[ENV_FINAL_STATE] == "pre"

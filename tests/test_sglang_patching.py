@@ -7,6 +7,7 @@ entry point touches (``scheduler.run_scheduler_process`` with 0.5.17's signature
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,11 +91,15 @@ def fake_sglang(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[typ
     }.items():
         monkeypatch.setitem(__import__("sys").modules, name, mod)
     monkeypatch.setattr(patching, "_STATE", {"capture": None, "installed": False})
-    cfg = PluginConfig(str(tmp_path / "dumps"), AUX, pinned_mb=1, writer_threads=1, stats_seconds=0)
+    cfg = PluginConfig(
+        str(tmp_path / "dumps"), AUX, pinned_mb=1, writer_threads=1, stats_seconds=0, switch_interval_ms=0.25
+    )
     for key, value in cfg.to_env().items():
         monkeypatch.setenv(key, value)
     CALLS.clear()
+    interval = sys.getswitchinterval()
     yield pkg
+    sys.setswitchinterval(interval)  # install() set the scheduler process's; this is the test process
 
 
 def call(tp_rank: int, **server_args: Any) -> Any:
@@ -107,9 +112,13 @@ def test_only_tp_rank_0_patches_sglang(fake_sglang: types.ModuleType, tmp_path: 
     import sglang.srt.managers.tp_worker as worker
 
     plain_forward = worker.TpModelWorker.forward_batch_generation
+    interval = sys.getswitchinterval()
     assert call(1) == "ran"
     assert worker.TpModelWorker.forward_batch_generation is plain_forward and not patching._STATE["installed"]
+    assert sys.getswitchinterval() == interval
     assert call(0) == "ran"
+    # the writer threads get the GIL back from the scheduler loop after the configured interval
+    assert sys.getswitchinterval() == pytest.approx(0.00025)
     assert worker.TpModelWorker.forward_batch_generation is not plain_forward and patching._STATE["installed"]
     assert [c["tp_rank"] for c in CALLS] == [1, 0]
     # the patched methods still do what SGLang's did, and the worker rank 0 builds now captures

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from hsx import contract, loader
+from hsx import contract, loader, safetensors_io
 from hsx.manifest import Manifest, ManifestError, relative_shard_path
 from hsx.safetensors_io import encode_header, read_file
 from hsx.validation import NON_FINITE, SampleRejected
@@ -580,3 +580,24 @@ def test_out_of_space_raises_and_keeps_the_finished_shard(tmp_path: Path, tiny_t
     stream.discard()
     assert [p.name for p in tiny_tmpfs.iterdir()] == [first.path.name]
     assert first.path.read_bytes() == before and data_sha256(first.path) == first.sha256
+
+
+def test_a_dump_file_is_whole_after_short_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel may take part of a writev; every byte still lands once, in order, whatever the buffer
+    types (the SGLang plugin hands uint8 views of pinned rows, the engines int32 and bf16 arrays)."""
+    real_writev, calls = os.writev, []
+
+    def short_writev(fd: int, buffers: list[memoryview]) -> int:
+        calls.append(len(buffers))
+        return real_writev(fd, [buffers[0][:7]])
+
+    monkeypatch.setattr(safetensors_io.os, "writev", short_writev)
+    ids = np.arange(5, dtype="<i4")
+    states = np.arange(5 * 6, dtype="<u2").reshape(5, 6)
+    path = tmp_path / "states.safetensors"
+    safetensors_io.write_file(
+        str(path), [("input_ids", "I32", [5], ids.data), ("hidden.1", "BF16", [5, 6], states.tobytes())]
+    )
+    got = read_file(str(path))
+    assert got["input_ids"][1] == ids.tobytes() and got["hidden.1"][1] == states.tobytes()
+    assert got["hidden.1"][0].shape == (5, 6) and len(calls) > 3

@@ -102,6 +102,9 @@ def run_worker(settings: Settings, burst: bool = False, reconcile: bool = True) 
     if settings.worker_nice > 0:
         os.nice(settings.worker_nice)
     configure_logging(settings.log_format, settings.log_level)
+    # A unit's collecting thread copies each dump in 1 MiB steps, each a system call after which it needs
+    # the GIL back; at Python's 5 ms a prefill thread parsing a reply could hold it up that long per step.
+    sys.setswitchinterval(0.0005)
     preload()
     preload_tokenizer(settings)
     try:

@@ -20,6 +20,11 @@ ENV_DUMP_DIR = "HSX_SGLANG_DUMP_DIR"
 ENV_AUX_LAYERS = "HSX_SGLANG_AUX_LAYERS"  # comma-separated decoder layer ids; empty: EAGLE-3 default
 ENV_PINNED_MB = "HSX_SGLANG_PINNED_MB"  # pinned host staging arena (TP rank 0 only)
 ENV_WRITERS = "HSX_SGLANG_WRITER_THREADS"
+# How long the scheduler thread may hold the GIL before a writer thread gets it back (ms); 0 keeps Python's
+# 5 ms. SGLang's scheduler loop runs Python without pause, so at 5 ms every writer syscall waited for it.
+ENV_SWITCH_INTERVAL_MS = "HSX_SGLANG_SWITCH_INTERVAL_MS"
+DEFAULT_WRITERS = 8  # 4 lagged the GPU on an 8B model (docs/sglang.md)
+DEFAULT_SWITCH_INTERVAL_MS = 0.5
 ENV_STATS_SECONDS = "HSX_SGLANG_STATS_SECONDS"  # period of the stats log line; 0 disables it
 ENV_FINAL_STATE = "HSX_SGLANG_FINAL_STATE"  # post | pre | both (contract.FINAL_STATES)
 ENV_ANY_VERSION = "HSX_SGLANG_ALLOW_ANY_VERSION"  # "1": the user overrode the version range
@@ -97,7 +102,8 @@ class PluginConfig:
     dump_dir: str
     aux_layer_ids: list[int] | None = None
     pinned_mb: int = 2048
-    writer_threads: int = 8  # 4 lagged the GPU on an 8B model (bench/RESULTS.md)
+    writer_threads: int = DEFAULT_WRITERS
+    switch_interval_ms: float = DEFAULT_SWITCH_INTERVAL_MS
     stats_seconds: float = 30.0
     final_state: str = "post"
     allow_any_version: bool = False
@@ -109,6 +115,8 @@ class PluginConfig:
             raise ValueError(f"pinned_mb must be at least 1, got {self.pinned_mb}")
         if self.writer_threads < 1:
             raise ValueError(f"writer_threads must be at least 1, got {self.writer_threads}")
+        if not 0 <= self.switch_interval_ms <= 100:
+            raise ValueError(f"switch_interval_ms must be within 0..100, got {self.switch_interval_ms}")
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -116,6 +124,7 @@ class PluginConfig:
             ENV_AUX_LAYERS: ",".join(str(x) for x in self.aux_layer_ids or []),
             ENV_PINNED_MB: str(self.pinned_mb),
             ENV_WRITERS: str(self.writer_threads),
+            ENV_SWITCH_INTERVAL_MS: str(self.switch_interval_ms),
             ENV_STATS_SECONDS: str(self.stats_seconds),
             ENV_FINAL_STATE: self.final_state,
             ENV_ANY_VERSION: "1" if self.allow_any_version else "0",
@@ -134,7 +143,8 @@ class PluginConfig:
             dump_dir=dump_dir,
             aux_layer_ids=parse_aux_layers(env.get(ENV_AUX_LAYERS, "")),
             pinned_mb=int(env.get(ENV_PINNED_MB, "2048")),
-            writer_threads=int(env.get(ENV_WRITERS, "8")),
+            writer_threads=int(env.get(ENV_WRITERS, str(DEFAULT_WRITERS))),
+            switch_interval_ms=float(env.get(ENV_SWITCH_INTERVAL_MS, str(DEFAULT_SWITCH_INTERVAL_MS))),
             stats_seconds=float(env.get(ENV_STATS_SECONDS, "30")),
             final_state=env.get(ENV_FINAL_STATE, "post") or "post",
             allow_any_version=env.get(ENV_ANY_VERSION, "0") == "1",

@@ -20,7 +20,15 @@ from typing import Any
 
 from hsx import contract
 from workers.engines.sglang import guards
-from workers.engines.sglang.config import SUPPORTED_RANGE, VERSION_OVERRIDE_FLAG, version_problem
+from workers.engines.sglang.config import (
+    DEFAULT_SWITCH_INTERVAL_MS,
+    DEFAULT_WRITERS,
+    ENV_SWITCH_INTERVAL_MS,
+    ENV_WRITERS,
+    SUPPORTED_RANGE,
+    VERSION_OVERRIDE_FLAG,
+    version_problem,
+)
 
 # Flags with which the caller picks the prefill CUDA graph backend themselves.
 PREFILL_GRAPH_FLAGS = (
@@ -63,7 +71,23 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--pinned-mb", type=int, default=2048, help="pinned host staging arena (MiB)")
-    parser.add_argument("--writer-threads", type=int, default=4, help="dump writer threads")
+    # The defaults come from the environment, so HSX_SGLANG_* set by a deployment is not overridden.
+    parser.add_argument(
+        "--writer-threads",
+        type=int,
+        default=int(os.environ.get(ENV_WRITERS, DEFAULT_WRITERS)),
+        help=f"dump writer threads (default: ${ENV_WRITERS}, else {DEFAULT_WRITERS})",
+    )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=float(os.environ.get(ENV_SWITCH_INTERVAL_MS, DEFAULT_SWITCH_INTERVAL_MS)),
+        help=(
+            "the scheduler process's GIL switch interval, so the writer threads are not held up by the "
+            f"scheduler loop (default: ${ENV_SWITCH_INTERVAL_MS}, else {DEFAULT_SWITCH_INTERVAL_MS}; 0 keeps "
+            "Python's 5 ms)"
+        ),
+    )
     parser.add_argument("--with-tokenizer", action="store_true", help="do not add --skip-tokenizer-init")
     parser.add_argument(
         VERSION_OVERRIDE_FLAG,
@@ -82,6 +106,8 @@ def split_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         raise ValueError(f"--pinned-mb must be at least 1, got {ns.pinned_mb}")
     if ns.writer_threads < 1:
         raise ValueError(f"--writer-threads must be at least 1, got {ns.writer_threads}")
+    if not 0 <= ns.switch_interval_ms <= 100:
+        raise ValueError(f"--switch-interval-ms must be within 0..100, got {ns.switch_interval_ms}")
     return ns, rest
 
 

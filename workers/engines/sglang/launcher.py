@@ -100,6 +100,7 @@ def build_info(
         aux_layer_ids=aux,
         pinned_mb=ns.pinned_mb,
         writer_threads=ns.writer_threads,
+        switch_interval_ms=ns.switch_interval_ms,
         stats_seconds=float(os.environ.get(plugin.ENV_STATS_SECONDS, "30")),
         final_state=ns.final_state,
         allow_any_version=bool(ns.allow_unsupported_sglang_version),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 from typing import Any
 
 from workers.engines.sglang.config import PluginConfig, version_problem
@@ -63,6 +64,10 @@ def install(cfg: PluginConfig, server_args: Any) -> None:
     from workers.engines.sglang.capture import Capture
 
     _STATE["installed"] = True
+    if cfg.switch_interval_ms > 0:
+        # SGLang's scheduler loop runs Python without pause; each writer thread needs the GIL back after
+        # every syscall, and at Python's 5 ms a dump of an 8B model took 4x longer to write (docs/sglang.md).
+        sys.setswitchinterval(cfg.switch_interval_ms / 1000)
     orig_init = TpModelWorker.__init__
     orig_fbg = TpModelWorker.forward_batch_generation
 
