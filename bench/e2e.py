@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             plain, disk = mean([plain_before, plain_after]), mean([disk_before, disk_after])
             captured = mean([captured_before, captured_after])
             results[name] = {
-                "samples": args.samples,
+                "samples": len(lengths),
                 "tokens": total,
                 "in_flight": in_flight,
                 "processes": args.processes,

@@ -69,6 +69,9 @@ def test_writer_flags_default_to_the_deployments_environment(monkeypatch: pytest
     ns, _ = split_args([])
     assert (ns.writer_threads, ns.switch_interval_ms) == (12, 0.0)
     assert split_args(["--writer-threads", "3"])[0].writer_threads == 3
+    monkeypatch.setenv(ENV_WRITERS, "many")
+    with pytest.raises(ValueError, match="HSX_SGLANG_WRITER_THREADS='many' is not a number"):
+        split_args([])
 
 
 def test_sglang_gets_what_the_capture_needs() -> None:

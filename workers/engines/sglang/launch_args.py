@@ -75,13 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--writer-threads",
         type=int,
-        default=int(os.environ.get(ENV_WRITERS, DEFAULT_WRITERS)),
+        default=_env_number(ENV_WRITERS, int, DEFAULT_WRITERS),
         help=f"dump writer threads (default: ${ENV_WRITERS}, else {DEFAULT_WRITERS})",
     )
     parser.add_argument(
         "--switch-interval-ms",
         type=float,
-        default=float(os.environ.get(ENV_SWITCH_INTERVAL_MS, DEFAULT_SWITCH_INTERVAL_MS)),
+        default=_env_number(ENV_SWITCH_INTERVAL_MS, float, DEFAULT_SWITCH_INTERVAL_MS),
         help=(
             "the scheduler process's GIL switch interval, so the writer threads are not held up by the "
             f"scheduler loop (default: ${ENV_SWITCH_INTERVAL_MS}, else {DEFAULT_SWITCH_INTERVAL_MS}; 0 keeps "
@@ -97,6 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--hsx-help", action="help", help="show the hsx flags and exit")
     return parser
+
+
+def _env_number(name: str, kind: type[int] | type[float], default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
 
 
 def split_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
