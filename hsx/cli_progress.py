@@ -11,7 +11,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +55,16 @@ class Api:
     url: str
     headers: dict[str, str]
     timeout: float = 30.0
+    # One client for the command's life: a fresh one per call (httpx.request) costs about 40 ms of CPU,
+    # its TLS context, which a watch polling every second takes from the job on a small host.
+    _client: httpx.Client | None = field(default=None, repr=False)
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        if self._client is None:
+            self._client = httpx.Client()
         try:
             kwargs.setdefault("timeout", self.timeout)
-            resp = httpx.request(method, self.url.rstrip("/") + path, headers=self.headers, **kwargs)
+            resp = self._client.request(method, self.url.rstrip("/") + path, headers=self.headers, **kwargs)
         except httpx.HTTPError as exc:
             raise ApiError(EXIT_UNREACHABLE, f"API unreachable at {self.url}: {exc}") from exc
         try:
