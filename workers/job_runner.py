@@ -26,12 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy.exc import OperationalError
-
 from hsx import engine_fitness, telemetry
 from hsx.contract import EngineInfo
 from hsx.db.models import Job, JobState
-from hsx.db.session import session_scope
+from hsx.db.session import retry_db, session_scope
 from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
 from hsx.faults import crash_point
 from hsx.jobs import engines as job_engines
@@ -41,7 +39,6 @@ from hsx.jobs.finalize import finalize_if_complete
 from hsx.jobs.queue import wake_idle_workers
 from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
-from hsx.retry import DATABASE
 from hsx.settings import Settings
 from workers.dataset import DatasetError
 from workers.engine_gate import EngineGate, Refusal, static_problem
@@ -102,11 +99,6 @@ class JobView:
             job.records_bytes,
             job.units_total,
         )
-
-
-def _retry_db(fn: Any) -> Any:
-    """Ride out a database restart: the operation is idempotent or fenced, so retrying is safe."""
-    return DATABASE.call(fn, (OperationalError,), "a database call")
 
 
 def load_tokenizer(path: str) -> Any:
@@ -288,9 +280,9 @@ class JobRunner:
         while max_units is None or done_here < max_units:
             if SHUTDOWN.is_set():
                 return Outcome(f"stopping after {done_here} unit(s)", True)
-            unit = _retry_db(lambda: self._claim())
+            unit = retry_db(lambda: self._claim())
             if unit is None:
-                finished = _retry_db(lambda: self._finalize())
+                finished = retry_db(lambda: self._finalize())
                 return Outcome(f"{done_here} unit(s); no unit left to claim", not finished)
             crash_point("after_claim")
             self._wake_more()
@@ -413,7 +405,7 @@ class JobRunner:
             with session_scope(self.db_url) as session:
                 return recovery.fail_unit_and_job(session, unit, reason, time.time())
 
-        if _retry_db(fail):
+        if retry_db(fail):
             log.error("job %s failed: %s", self.job_id, reason)
             return Outcome(reason, False)
         log.warning(
@@ -429,7 +421,7 @@ class JobRunner:
             with session_scope(self.db_url) as session:
                 return recovery.count_unit_failure(session, unit, reason, limit)
 
-        counted = _retry_db(count)
+        counted = retry_db(count)
         if counted.unit_failed:
             log.error(
                 "job %s failed: unit %s failed %d times: %s",

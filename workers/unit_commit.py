@@ -12,12 +12,11 @@ from pathlib import Path
 from sqlalchemy.exc import OperationalError
 
 from hsx import telemetry
-from hsx.db.session import session_scope
+from hsx.db.session import retry_db, session_scope
 from hsx.faults import crash_point
 from hsx.fsutil import fsync_dir
 from hsx.jobs import repository as repo
 from hsx.jobs.repository import ClaimedUnit, ShardRow
-from hsx.retry import DATABASE
 from workers.shards import ShardWriteError, data_sha256
 from workers.unit_processor import UnitResult
 
@@ -75,7 +74,7 @@ def commit_unit(db_url: str, unit: ClaimedUnit, result: UnitResult, output_dir: 
             raise
 
     try:
-        ok = bool(DATABASE.call(attempt_commit, (OperationalError,), "a database call"))
+        ok = bool(retry_db(attempt_commit))
     finally:
         if staged.exists():
             staged.unlink()

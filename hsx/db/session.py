@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+from hsx.retry import DATABASE
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -44,6 +47,11 @@ def engine_for(url: str) -> Engine:
 
 def session_factory(url: str) -> sessionmaker[Session]:
     return sessionmaker(bind=engine_for(url), expire_on_commit=False)
+
+
+def retry_db(fn: Any) -> Any:
+    """Ride out a database restart: the operation is idempotent or fenced, so retrying is safe."""
+    return DATABASE.call(fn, (OperationalError,), "a database call")
 
 
 @contextmanager
