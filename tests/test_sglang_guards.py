@@ -9,10 +9,12 @@ refuses final server arguments with the fusion still on.
 Two levels of test:
 
 * always: the launcher's path (``launcher.resolve_server_args``) with ``prepare_server_args`` replaced by
-  :func:`sglang_0517_prepare`, a transcription of those two passes. The real function cannot run in CI:
-  importing ``sglang.srt.server_args`` pulls in ``triton`` (about 1 GB, GPU only) and ``torchvision`` built
-  for the same torch, and ``prepare_server_args`` wants an accelerator (or ``--device cpu``) and an SM90
-  GPU for the pass to fire at all.
+  :func:`sglang_0517_prepare`, a transcription of those two passes keyed on SGLang's own flag name and
+  architecture list (written out here, so a wrong constant in hsx fails instead of agreeing with
+  itself). The real function cannot run in CI: importing ``sglang.srt.server_args`` pulls in
+  ``triton`` (about 1 GB, GPU only) and ``torchvision`` built for the same torch, and
+  ``prepare_server_args`` wants an accelerator (or ``--device cpu``) and an SM90 GPU for the pass to
+  fire at all.
 * opt-in (``HSX_SGLANG_SITE``): the same launcher path against the real ``prepare_server_args`` of an
   installed sglang 0.5.17, in a subprocess, with SGLang's SM90 probe patched to say yes and
   ``--device cpu``. Build the site once (about 1.2 GB, mostly triton)::
@@ -52,7 +54,33 @@ from workers.engines.sglang.guards import (
 from workers.engines.sglang.launch_args import split_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-AFFECTED = sorted(ALLREDUCE_FUSION_ARCHS)
+
+# Written out from sglang 0.5.17's wheel, not imported from hsx: the stand-in below must behave as SGLang
+# does even when hsx's own constants are wrong. ``_FLASHINFER_ALLREDUCE_FUSION_ARCHS`` in
+# ``sglang/srt/arg_groups/overrides.py``, and the CLI flag of the ``ServerArgs`` field
+# ``enforce_disable_flashinfer_allreduce_fusion`` (``arg_utils`` turns ``_`` into ``-``).
+SGLANG_0517_FUSION_ARCHS = frozenset(
+    {
+        "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM",
+        "GptOssForCausalLM",
+        "GlmMoeDsaForCausalLM",
+        "Glm4MoeForCausalLM",
+        "Glm4MoeLiteForCausalLM",
+        "MistralLarge3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Qwen3VLMoeForConditionalGeneration",
+        "Qwen3NextForCausalLM",
+        "KimiK25ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+        "InternS2PreviewForConditionalGeneration",
+        "Qwen3_5ForConditionalGeneration",
+        "NemotronHForCausalLM",
+        "NemotronHPuzzleForCausalLM",
+    }
+)
+SGLANG_0517_ENFORCE_DISABLE_FLAG = "--enforce-disable-flashinfer-allreduce-fusion"
+AFFECTED = sorted(SGLANG_0517_FUSION_ARCHS)
 
 
 def sglang_0517_prepare(
@@ -76,12 +104,13 @@ def sglang_0517_prepare(
             enable_dp_attention="--enable-dp-attention" in argv,
             moe_a2a_backend=value("--moe-a2a-backend", "none"),
             flashinfer_allreduce_fusion_backend=None,
-            enforce_disable_flashinfer_allreduce_fusion=DISABLE_FUSION_FLAG in argv,
+            enforce_disable_flashinfer_allreduce_fusion=SGLANG_0517_ENFORCE_DISABLE_FLAG in argv,
+            argv=list(argv),
         )
         # _flashinfer_allreduce_fusion_auto_enable
         if (
             view.flashinfer_allreduce_fusion_backend is None
-            and arch in ALLREDUCE_FUSION_ARCHS
+            and arch in SGLANG_0517_FUSION_ARCHS
             and sm90
             and view.tp_size > 1
             and not view.enable_dp_attention
@@ -116,13 +145,21 @@ def test_a_fusion_left_on_is_refused_at_tp_2(arch: str) -> None:
         launcher.resolve_server_args(ns, rest, prepare=sglang_0517_prepare(arch, enforce_works=False))
 
 
-def test_unaffected_layouts_need_nothing() -> None:
-    ns, rest = split_args(["--model-path", "/m", "--tp-size", "2"])
-    final = launcher.resolve_server_args(ns, rest, prepare=sglang_0517_prepare("LlamaForCausalLM"))
-    assert final.flashinfer_allreduce_fusion_backend is None
-    ns, rest = split_args(["--model-path", "/m"])
-    bare = sglang_0517_prepare("DeepseekV3ForCausalLM")(["--tp-size", "1"])
-    assert bare.flashinfer_allreduce_fusion_backend is None
+@pytest.mark.parametrize(("arch", "tp"), [("LlamaForCausalLM", "2"), ("DeepseekV3ForCausalLM", "1")])
+def test_layouts_without_the_fusion_launch_even_when_the_switch_is_broken(arch: str, tp: str) -> None:
+    # An architecture SGLang never fuses, or tp 1: nothing to clear, so the launch goes ahead even on an
+    # SGLang whose switch does not work, and the launcher still passes the switch it relies on at tp > 1.
+    ns, rest = split_args(["--model-path", "/m", "--tp-size", tp])
+    final = launcher.resolve_server_args(ns, rest, prepare=sglang_0517_prepare(arch, enforce_works=False))
+    assert final.tp_size == int(tp) and final.flashinfer_allreduce_fusion_backend is None
+    assert SGLANG_0517_ENFORCE_DISABLE_FLAG in final.argv and deferred_reduction_problems(final) == []
+
+
+def test_hsx_names_sglangs_own_flag_and_architectures() -> None:
+    # The launcher passes DISABLE_FUSION_FLAG and the docs quote ALLREDUCE_FUSION_ARCHS: a misspelling or
+    # a stale list would make SGLang ignore the switch (the stand-in above then refuses every launch).
+    assert DISABLE_FUSION_FLAG == SGLANG_0517_ENFORCE_DISABLE_FLAG
+    assert ALLREDUCE_FUSION_ARCHS == SGLANG_0517_FUSION_ARCHS
 
 
 def test_the_affected_architectures_include_the_ones_hsx_serves() -> None:
