@@ -30,7 +30,13 @@ def test_verify_passes_on_a_safe_engine_and_matches_the_reference(engine_nocache
     assert report["ok"] is True
     names = {c["name"] for c in report["checks"]}
     assert {"prompt_a.cached_tokens", "prompt_b.cached_tokens", "prompt_b.dumped_tokens"} <= names
-    assert len(report["checks"]) > len([n for n in names if n.startswith("prompt_") and "cosine" not in n])
+    # --reference adds one transformers comparison per verification prompt, each above its threshold.
+    prompts = {n.split(".", 1)[0] for n in names if n.startswith("prompt_")}
+    cosines = {c["name"]: c for c in report["checks"] if c["name"].endswith(".reference_cosine")}
+    assert prompts and set(cosines) == {f"{p}.reference_cosine" for p in prompts}, sorted(names)
+    for check in cosines.values():
+        threshold = float(check["expected"].removeprefix(">= "))
+        assert check["ok"] and check["actual"] and min(check["actual"].values()) >= threshold, check
 
 
 def test_verify_fails_naming_cached_tokens_on_a_prefix_caching_engine(engine_cache: Any) -> None:
