@@ -59,4 +59,5 @@ def test_two_engine_worker_pairs_share_one_job(
     )
     indices = [s.index for s in iter_samples(doc["output_dir"])]
     assert len(indices) == len(set(indices)) == doc["progress"]["samples_done"]
-    assert doc["progress"]["samples_done"] + doc["progress"]["samples_rejected"] == 3 * len(rows)
+    # Every record is valid and neither engine caches prefixes: all are done, none rejected.
+    assert (doc["progress"]["samples_done"], doc["progress"]["samples_rejected"]) == (3 * len(rows), 0)

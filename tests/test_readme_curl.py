@@ -70,9 +70,10 @@ def test_readme_curl_walkthrough_runs_as_written(stack: Stack) -> None:
     total = sum(1 for line in SHORT.read_text().splitlines() if line.strip())
     progress = doc["progress"]
     assert progress["samples_total"] == total
-    assert progress["samples_done"] + progress["samples_rejected"] == total and progress["samples_done"] > 0
+    # Every record of the sample is valid and the engine has no prefix cache: nothing may be rejected.
+    assert (progress["samples_done"], progress["samples_rejected"]) == (total, 0), progress
     assert shards["total"] == doc["shards"]["total"] == len(shards["items"]) == -(-total // 8)
     assert sum(s["samples"] for s in shards["items"]) == progress["samples_done"]
     assert all(len(s["sha256"]) == 64 and Path(s["path"]).is_file() for s in shards["items"])
-    assert rejections["total"] == progress["samples_rejected"] == len(rejections["items"])
+    assert rejections["total"] == 0 and rejections["items"] == []
     assert verify["ok"] is True and verify["checks"]
