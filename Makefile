@@ -25,8 +25,11 @@ demo: setup
 services: setup
 	PYTHON=$(PY) bash scripts/ensure_services.sh
 
+# Two test processes (this host has 2 cores; most tests wait on subprocesses, so both stay busy), tests of one
+# xdist_group on one process; the 30 slowest tests and every skip's reason are printed.
+PYTEST_WORKERS ?= 2
 test: setup services
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check hsx app workers migrations tests bench

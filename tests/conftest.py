@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.skips import FAIL_ON_SKIP_ENV, unlisted
+
 pytest_plugins = [
     "tests.fixtures.engine",
     "tests.fixtures.tokenizer",
@@ -65,3 +67,33 @@ def redis_url() -> str:
     if not Redis.from_url(REDIS_URL).ping():
         pytest.fail(f"Redis is not reachable at {REDIS_URL}")
     return REDIS_URL
+
+
+# Skips seen in this run, by node id. Under xdist the workers' reports reach this hook in the controller too.
+_skipped: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skipped[report.nodeid] = reason
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller decides
+    if os.environ.get(FAIL_ON_SKIP_ENV) == "1" and unlisted(_skipped) and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if hasattr(terminalreporter.config, "workerinput"):
+        return
+    extra = unlisted(_skipped)
+    if not extra:
+        return
+    strict = os.environ.get(FAIL_ON_SKIP_ENV) == "1"
+    title = "skips not on the allowlist (tests/skips.py)" + (": failing the run" if strict else "")
+    terminalreporter.section(title, sep="=", red=strict, yellow=not strict)
+    for node, reason in sorted(extra.items()):
+        terminalreporter.line(f"{node}: {reason}")
