@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from tests.conftest import PG_ADMIN_URL, REDIS_URL
+from tests.conftest import REDIS_URL
 from tests.fixtures.jobs import running_job
 from tests.fixtures.stack import REPO, Stack, make_stack
 
@@ -473,31 +474,49 @@ def test_redis_wiped_mid_job_loses_nothing(
 # --- 5. PostgreSQL restarted mid-job ---------------------------------------------------------------------
 
 
-def restart_postgres() -> None:
-    """Restart the PostgreSQL the tests use: the machine's cluster, or the embedded one that
-    scripts/ensure_services.sh started where none is installed (a fresh machine)."""
-    if shutil.which("pg_ctlcluster") and os.path.isdir("/etc/postgresql") and ":5432/" in PG_ADMIN_URL:
-        cluster = sorted(os.listdir("/etc/postgresql"))[0]
-        command = ["pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "restart"]
-    else:
-        command = [sys.executable, str(REPO / "scripts" / "embedded_services.py"), "restart-postgres"]
-    subprocess.run(command, check=True, capture_output=True, timeout=120)
+@contextlib.contextmanager
+def private_postgres() -> Iterator[tuple[str, dict[str, str]]]:
+    """A PostgreSQL of this test's own (the embedded one of scripts/embedded_services.py, on a free port),
+    so that restarting it cuts no other test's connections when the tests run in parallel."""
+    from hsx.local_stack import free_port
+
+    # Not under pytest's tmp_path: as root PostgreSQL runs as nobody, who must reach the folder.
+    folder = Path(tempfile.mkdtemp(prefix="hsx-pg-restart-"))
+    folder.chmod(0o755)
+    admin = f"postgresql://postgres@127.0.0.1:{free_port()}/test"
+    env = {**os.environ, "HSX_SERVICES_DIR": str(folder), "HSX_TEST_PG_ADMIN_URL": admin}
+    env["HSX_TEST_REDIS_URL"] = REDIS_URL
+    script = [sys.executable, str(REPO / "scripts" / "embedded_services.py")]
+    try:
+        started = subprocess.run([*script, "ensure"], env=env, capture_output=True, text=True, timeout=180)
+        assert started.returncode == 0, started.stderr
+        yield admin.replace("postgresql://", "postgresql+psycopg://", 1), env
+    finally:
+        subprocess.run([*script, "stop"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-@postgres_only
-def test_postgres_restart_mid_job_completes(fast: Stack, baseline: Output) -> None:
-    db_url = fast.env["HSX_DATABASE_URL"]
-    fast.start_worker()
-    job_id = submit(fast)
-    wait_until(
-        lambda: fast.job(job_id)["progress"]["units_done"] >= 1 and live_lease(db_url, job_id),
-        180,
-        "a committed unit and another in progress",
-        fast,
-    )
-    restart_postgres()
-    doc = fast.wait(job_id, timeout=240)
-    assert_same_output(assert_exactly_once(fast, doc, SAMPLES), baseline)
+def test_postgres_restart_mid_job_completes(
+    redis_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, baseline: Output
+) -> None:
+    from hsx.db.migrate import upgrade
+
+    script = [sys.executable, str(REPO / "scripts" / "embedded_services.py"), "restart-postgres"]
+    with private_postgres() as (db_url, env):
+        upgrade(db_url)
+        with running(fast_stack(db_url, redis_url, engine_nocache, tmp_path, monkeypatch)) as fast:
+            fast.start_worker()
+            job_id = submit(fast)
+            wait_until(
+                lambda: fast.job(job_id)["progress"]["units_done"] >= 1 and live_lease(db_url, job_id),
+                180,
+                "a committed unit and another in progress",
+                fast,
+            )
+            restarted = subprocess.run(script, env=env, capture_output=True, text=True, timeout=120)
+            assert restarted.returncode == 0 and "restarted PostgreSQL" in restarted.stderr, restarted.stderr
+            doc = fast.wait(job_id, timeout=240)
+            assert_same_output(assert_exactly_once(fast, doc, SAMPLES), baseline)
 
 
 def terminate_open_transactions(db_url: str) -> int:
