@@ -311,25 +311,33 @@ def fast(
         yield s
 
 
-@pytest.fixture(scope="module")
-def baseline(engine_nocache: Any, tmp_path_factory: pytest.TempPathFactory) -> Output:
-    """The output of an uninterrupted run of the fault tests' dataset, by the real job runner in process."""
+def uninterrupted_output(engine: Any, tmp: Path, dataset: Path, total: int, per_shard: int) -> Output:
+    """The output of an uninterrupted run of ``dataset``, by the real job runner in process (no worker)."""
     from hsx.db.migrate import upgrade
     from hsx.jobs.queue import queue_for
     from hsx.settings import get_settings
     from workers.job_runner import JobRunner
 
-    tmp = tmp_path_factory.mktemp("baseline")
     with pytest.MonkeyPatch.context() as mp:
-        s = make_stack(f"sqlite:///{tmp / 'hsx.sqlite3'}", REDIS_URL, engine_nocache.url, tmp, mp, **FAST)
+        s = make_stack(f"sqlite:///{tmp / 'hsx.sqlite3'}", REDIS_URL, engine.url, tmp, mp, **FAST)
         upgrade(s.env["HSX_DATABASE_URL"])
-        job_id = submit(s)
+        job_id = str(s.submit(dataset, samples_per_shard=per_shard)["id"])
         runner = JobRunner(job_id, get_settings())
         while runner.run_one().more_work:
             pass
         queue_for(get_settings()).empty()  # type: ignore[no-untyped-call]
-        out = assert_exactly_once(s, s.job(job_id), SAMPLES)
+        out = assert_exactly_once(s, s.job(job_id), total)
     get_settings.cache_clear()
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(engine_nocache: Any, tmp_path_factory: pytest.TempPathFactory) -> Output:
+    """The output of an uninterrupted run of the fault tests' dataset."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    out = uninterrupted_output(
+        engine_nocache, tmp, write_chats(tmp / "chats.jsonl", SAMPLES), SAMPLES, PER_SHARD
+    )
     assert out.rejected == {
         **dict.fromkeys(MALFORMED, "malformed_json"),
         **dict.fromkeys(NO_ANSWER, "no_assistant_turn"),

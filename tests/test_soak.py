@@ -5,6 +5,10 @@ The CPU reference engine takes about half a second a prefill on this machine, so
 would take a quarter of an hour: four samples of each unit are real conversations (160 go through the
 engine) and the others are records the pipeline must reject, each with its reason. Every unit commits a
 shard and rejections together, which is what a duplicate or a loss would break.
+
+The engine-served samples must equal an uninterrupted run's, array for array. The 160 real conversations
+cycle through 16 texts, so the uninterrupted run (in process, no kills) needs 16 prefills, not 160; their
+input ids still differ from each of their unit neighbours'.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from tests.test_faults import (
     owner_pid,
     running,
     signal_groups,
+    uninterrupted_output,
     units,
     wait_until,
 )
@@ -36,8 +41,22 @@ from tests.test_faults import (
 TOTAL = 2000
 PER_SHARD = 50
 REAL = (0, 13, 26, 39)  # positions in each unit of the conversations that reach the engine
+CONVERSATIONS = 16  # distinct real conversations, cycled through the real positions
 KILLS = 10
 WHOLE_WORKER_KILLS = {2, 5, 8}  # these kills take the whole worker (then replaced), the others its horse
+
+
+def conversation(number: int) -> str:
+    messages = [
+        {"role": "user", "content": f"Soak {number}: spell {number}."},
+        {"role": "assistant", "content": " ".join(str(number))},
+    ]
+    return json.dumps({"messages": messages})
+
+
+def conversation_of(index: int) -> int:
+    """Which of the distinct conversations the real sample at ``index`` is."""
+    return (index // PER_SHARD * len(REAL) + REAL.index(index % PER_SHARD)) % CONVERSATIONS
 
 
 def write_soak_dataset(path: Path) -> Path:
@@ -54,11 +73,7 @@ def write_soak_dataset(path: Path) -> Path:
     with path.open("w", encoding="utf-8") as fh:
         for i in range(TOTAL):
             if i % PER_SHARD in REAL:
-                messages = [
-                    {"role": "user", "content": f"Soak {i}: spell {i}."},
-                    {"role": "assistant", "content": " ".join(str(i))},
-                ]
-                fh.write(json.dumps({"messages": messages}) + "\n")
+                fh.write(conversation(conversation_of(i)) + "\n")
             else:
                 fh.write(bad[i % len(bad)] + "\n")
     return path
@@ -104,9 +119,19 @@ def test_soak_two_thousand_samples_ten_kills_nothing_lost_or_doubled(
         out = assert_exactly_once(s, doc, TOTAL)
     assert out.rejected == expected_rejections
     assert set(out.samples) == real
-    for index, (ids, mask, final, aux) in out.samples.items():
-        assert len(ids) == len(mask) == final.shape[0] == aux.shape[0] > 0, index
-        assert mask.sum() > 0 and np.isfinite(final).all() and np.isfinite(aux).all(), index
+    # Each engine-served sample equals the uninterrupted run's output of its conversation.
+    reference = tmp_path / "uninterrupted"
+    reference.mkdir()
+    texts = reference / "conversations.jsonl"
+    texts.write_text("".join(conversation(n) + "\n" for n in range(CONVERSATIONS)), encoding="utf-8")
+    want = uninterrupted_output(engine_nocache, reference, texts, CONVERSATIONS, CONVERSATIONS)
+    assert sorted(want.samples) == list(range(CONVERSATIONS)) and not want.rejected
+    for index, arrays in out.samples.items():
+        expected = want.samples[conversation_of(index)]
+        for name, got, ref in zip(
+            ("input_ids", "loss_mask", "hidden_state", "aux"), arrays, expected, strict=True
+        ):
+            assert got.shape == ref.shape and np.array_equal(got, ref), f"sample {index}: {name} differs"
     attempts = {u["index"]: u["attempt"] for u in units(db_url, job_id)}
     assert len(kills) == KILLS and sum(kind == "worker" for kind, *_ in kills) == len(WHOLE_WORKER_KILLS)
     for _kind, index, attempt in kills:  # each interrupted unit was redone by a later attempt
