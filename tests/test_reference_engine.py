@@ -150,27 +150,50 @@ def test_non_json_body_gets_400(engine_cache: RunningEngine) -> None:
     assert response.status_code == 400 and response.json()["error"] == "bad_request"
 
 
-def test_a_rid_already_in_flight_is_refused(engine_nocache: RunningEngine) -> None:
-    # A long prompt holds the forward lock; the rid queued behind it is in flight, so its twin is refused.
+def test_a_rid_already_in_flight_is_refused(tmp_path: Path) -> None:
+    # The engine's own app in process over a tiny random Llama, so the test can hold the forward lock (as a
+    # long prompt would) and wait until the queued rid is in flight, instead of guessing with sleeps.
+    from fastapi.testclient import TestClient
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workers.engines.reference.engine import EngineConfig, ReferenceEngine
+    from workers.engines.reference.server import create_app
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    engine = ReferenceEngine(
+        EngineConfig(
+            model_dir=tmp_path / "model", dump_dir=str(tmp_path / "dumps"), prefix_cache=False, device="cpu"
+        )
+    )
+    client = TestClient(create_app(engine))
+    queued_rid = captured_rid("dup")
     replies: dict[str, httpx.Response] = {}
 
-    def send(name: str, ids: list[int], rid: str) -> None:
-        replies[name] = httpx.post(
-            f"{engine_nocache.url}/generate", json=contract.generate_body(ids, rid), timeout=300
-        )
+    def send(name: str, rid: str) -> None:
+        replies[name] = client.post("/generate", json=contract.generate_body([5, 6, 7], rid))
 
-    queued_rid = captured_rid("dup")
-    long_request = threading.Thread(target=send, args=("long", unique_prompt(3000), captured_rid("long")))
-    long_request.start()
-    time.sleep(0.5)
-    queued = threading.Thread(target=send, args=("queued", unique_prompt(3), queued_rid))
-    queued.start()
-    time.sleep(0.5)
-    send("twin", unique_prompt(3), queued_rid)
-    long_request.join()
-    queued.join()
-    assert replies["long"].status_code == 200 and replies["queued"].status_code == 200
+    with engine._forward_lock:  # a long forward holds the engine
+        queued = threading.Thread(target=send, args=("queued", queued_rid))
+        queued.start()
+        deadline = time.monotonic() + 60
+        while queued_rid not in engine._inflight:  # until the queued request has claimed its rid
+            assert time.monotonic() < deadline and queued.is_alive(), replies
+            time.sleep(0.01)
+        twin = threading.Thread(target=send, args=("twin", queued_rid))
+        twin.start()
+        twin.join(60)  # refused at once: it must not wait for the lock like the queued one
+        assert not twin.is_alive(), "the twin was not refused: it waits for the forward lock"
+        assert queued.is_alive(), "the queued request waits for the forward lock"
+    queued.join(60)
+    assert replies["queued"].status_code == 200, replies["queued"].text
     assert replies["twin"].status_code == 400 and replies["twin"].json()["error"] == "duplicate_rid"
+    send("again", queued_rid)  # once the first is done, the rid is free again
+    assert replies["again"].status_code == 200, replies["again"].text
 
 
 def test_bf16_states_are_dumped_as_raw_words_that_widen_back() -> None:
