@@ -21,7 +21,8 @@ from hsx.local_stack import free_port, wait_http
 from hsx.logging_setup import ContextFilter, Redactor, StructuredFormatter, log_context
 from tests.fixtures.stack import REPO
 
-TOKEN = "tok-" + uuid.uuid4().hex
+# Fixed, not random: test ids carry it, and xdist needs the same ids in every process.
+TOKEN = "tok-5f1d0c3a9b7e4d2c8a6f1e0b3c5d7a9e"
 
 
 @pytest.fixture
