@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import numpy as np
 import numpy.typing as npt
 
-from hsx.contract import PRE_NORM_TENSOR, tensor_name
+from hsx.layout import PRE_NORM_TENSOR, sample_tensor_name, state_tensor_names, tensor_name
 from hsx.manifest import Manifest, ShardEntry
 from hsx.safetensors_io import SafetensorsError, TensorSpec, parse_header
 
@@ -123,13 +123,7 @@ class ShardView:
 
     def _state_names(self) -> list[str]:
         """Per-sample dump tensors a schema 2 shard holds, in the manifest's terms."""
-        m = self.manifest
-        names = [tensor_name(i) for i in m.hf_indices[:-1]]
-        if m.final_state in ("post", "both"):
-            names.append(tensor_name(m.hf_indices[-1]))
-        if m.final_state in ("pre", "both"):
-            names.append(PRE_NORM_TENSOR)
-        return names
+        return state_tensor_names(self.manifest.hf_indices, self.manifest.final_state)
 
     def _check(self, entry: ShardEntry) -> None:
         m, offsets = self.manifest, self.offsets
@@ -153,10 +147,11 @@ class ShardView:
             for k in range(len(self.indices)):
                 rows = int(offsets[k + 1] - offsets[k])
                 for name in self._state_names():
-                    got = self.specs.get(f"s{k}.{name}")
+                    got = self.specs.get(sample_tensor_name(k, name))
                     if got is None or got.shape != (rows, m.hidden_size) or got.dtype != m.dtype:
                         found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-                        problems.append(f"s{k}.{name} is {found}, expected {m.dtype}{[rows, m.hidden_size]}")
+                        want = f"{m.dtype}{[rows, m.hidden_size]}"
+                        problems.append(f"{sample_tensor_name(k, name)} is {found}, expected {want}")
                         break
         if problems:
             raise LoaderError(f"{self.path}: " + "; ".join(problems[:4]))
@@ -177,12 +172,16 @@ class ShardView:
             aux = own(self._array("aux_hidden_state")[rows])
             pre = None
         else:
-            aux_parts = [self._array(f"s{k}.{tensor_name(i)}") for i in m.hf_indices[:-1]]
+            aux_parts = [self._array(sample_tensor_name(k, tensor_name(i))) for i in m.hf_indices[:-1]]
             aux = own(np.concatenate(aux_parts, axis=1))
             final = (
-                own(self._array(f"s{k}.{tensor_name(m.hf_indices[-1])}")) if m.final_state != "pre" else None
+                own(self._array(sample_tensor_name(k, tensor_name(m.hf_indices[-1]))))
+                if m.final_state != "pre"
+                else None
             )
-            pre = own(self._array(f"s{k}.{PRE_NORM_TENSOR}")) if m.final_state != "post" else None
+            pre = (
+                own(self._array(sample_tensor_name(k, PRE_NORM_TENSOR))) if m.final_state != "post" else None
+            )
         return Sample(
             index=int(self.indices[k]),
             input_ids=self.input_ids[rows].astype(np.int32),

@@ -28,6 +28,7 @@ import numpy.typing as npt
 from hsx.contract import canonical_state_dtype as canonical_state_dtype
 from hsx.faults import crash_point
 from hsx.fsutil import WRITE_BEHIND_WINDOW, WriteBehind
+from hsx.layout import TOKEN_TENSORS, sample_tensor_name
 from hsx.safetensors_io import TensorSpec, encode_header
 from hsx.validation import LAYERS_MISMATCH, NON_FINITE, TOKEN_COUNT, SampleRejected
 
@@ -38,10 +39,6 @@ _EXPONENT_MASKS = {"BF16": 0x7F80, "F16": 0x7C00}
 # is under 120 bytes for any realistic size; the reserve is checked when the header is written.
 _HEADER_BYTES_PER_TENSOR = 160
 _HEADER_BASE_BYTES = 1024
-
-
-def sample_tensor_name(position: int, dump_tensor: str) -> str:
-    return f"s{position}.{dump_tensor}"
 
 
 class ShardWriteError(Exception):
@@ -206,14 +203,15 @@ class ShardStream:
             raise ValueError("a shard needs at least one sample")
         offsets = np.zeros(len(self._ids) + 1, dtype="<i8")
         np.cumsum([len(ids) for ids in self._ids], out=offsets[1:])
-        tail = [
-            ("sample_offsets", "I64", offsets),
-            ("sample_index", "I64", np.asarray(self._indices, dtype="<i8")),
-            ("input_ids", "I32", np.concatenate(self._ids)),
-            ("loss_mask", "U8", np.concatenate(self._masks)),
-        ]
+        arrays = {
+            "sample_offsets": offsets,
+            "sample_index": np.asarray(self._indices, dtype="<i8"),
+            "input_ids": np.concatenate(self._ids),
+            "loss_mask": np.concatenate(self._masks),
+        }
         try:
-            for name, dtype, array in tail:
+            for name, dtype in TOKEN_TENSORS:
+                array = arrays[name]
                 data = memoryview(np.ascontiguousarray(array).tobytes())
                 self._digest.update(data)
                 self._write(data)

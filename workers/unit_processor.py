@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hsx import telemetry
-from hsx.contract import PRE_NORM_TENSOR, RID_PREFIX, EngineInfo, tensor_name
+from hsx.contract import RID_PREFIX, EngineInfo
 from hsx.engine_client import (
     DumpMissing,
     EngineClient,
@@ -44,6 +44,7 @@ from hsx.engine_client import (
 )
 from hsx.fsutil import WRITE_BEHIND_WINDOW
 from hsx.jobs.repository import ClaimedUnit, LiveCounts, RejectionRow, TruncationRow
+from hsx.layout import state_tensor_names
 from hsx.safetensors_io import DTYPE_SIZES
 from hsx.validation import ENGINE_TIMEOUT, TOO_LONG, SampleRejected, check_dump
 from workers.dump_file import DumpFile, open_dump
@@ -117,13 +118,8 @@ class _Sent:
 
 
 def dump_tensors(info: EngineInfo) -> list[str]:
-    """The dump tensors a sample keeps, in shard order: aux layers, then the final state(s)."""
-    names = [tensor_name(i) for i in info.hf_indices[:-1]]
-    if info.final_state in ("post", "both"):
-        names.append(tensor_name(info.hf_indices[-1]))
-    if info.final_state in ("pre", "both"):
-        names.append(PRE_NORM_TENSOR)
-    return names
+    """The dump tensors a sample keeps, in shard order (hsx.layout.state_tensor_names)."""
+    return state_tensor_names(info.hf_indices, info.final_state)
 
 
 class UnitProcessor:
