@@ -134,9 +134,10 @@ def test_staged_shard_name_refuses_malformed(name: str) -> None:
 
 
 def test_shard_names_refuse_negative_parts() -> None:
-    for bad in (lambda: layout.shard_file_name(-1), lambda: layout.staged_shard_name(1, -1)):
-        with pytest.raises(ValueError):
-            bad()
+    with pytest.raises(ValueError):
+        layout.shard_file_name(-1)
+    with pytest.raises(ValueError):
+        layout.staged_shard_name(1, -1)
 
 
 @pytest.mark.parametrize(

@@ -30,11 +30,16 @@ from hsx.faults import crash_point
 from hsx.fsutil import WRITE_BEHIND_WINDOW, WriteBehind
 from hsx.layout import TOKEN_TENSORS, sample_tensor_name
 from hsx.safetensors_io import TensorSpec, encode_header
-from hsx.validation import LAYERS_MISMATCH, NON_FINITE, TOKEN_COUNT, SampleRejected
+from hsx.validation import (
+    DTYPE_MISMATCH,
+    LAYERS_MISMATCH,
+    NON_FINITE,
+    TOKEN_COUNT,
+    SampleRejected,
+    count_non_finite,
+)
 
 CHUNK_BYTES = 1 << 20
-# Bits that are all ones in the exponent of a non-finite value, per 16-bit float format.
-_EXPONENT_MASKS = {"BF16": 0x7F80, "F16": 0x7C00}
 # Header room per tensor entry: '"s12345.hidden.123":{"dtype":"BF16","shape":[..],"data_offsets":[..]},'
 # is under 120 bytes for any realistic size; the reserve is checked when the header is written.
 _HEADER_BYTES_PER_TENSOR = 160
@@ -59,16 +64,6 @@ class ShardInfo:
     bytes: int
     samples: int
     tokens: int
-
-
-def has_non_finite(chunk: memoryview, dtype: str) -> bool:
-    if dtype in _EXPONENT_MASKS:
-        words = np.frombuffer(chunk, dtype="<u2")
-        mask = _EXPONENT_MASKS[dtype]
-        return bool(np.any(np.bitwise_and(words, mask) == mask))
-    if dtype == "F32":
-        return not bool(np.isfinite(np.frombuffer(chunk, dtype="<f4")).all())
-    raise ValueError(f"no finiteness check for dtype {dtype}")
 
 
 class ShardStream:
@@ -148,7 +143,7 @@ class ShardStream:
                 spec = specs[name]
                 if spec.dtype != self.dtype:
                     raise SampleRejected(
-                        "dtype_mismatch", f"{name} is {spec.dtype}, the shard holds {self.dtype}"
+                        DTYPE_MISMATCH, f"{name} is {spec.dtype}, the shard holds {self.dtype}"
                     )
                 self._copy(source_fd, spec, check_every_chunk)
                 self._entries.append(
@@ -175,7 +170,7 @@ class ShardStream:
             if got <= 0:
                 raise SampleRejected("dump_missing", f"{spec.name} ends {spec.end - position} bytes early")
             chunk = view[:got]
-            if (check_every_chunk or first) and has_non_finite(chunk, spec.dtype):
+            if (check_every_chunk or first) and count_non_finite(chunk, spec.dtype):
                 raise SampleRejected(NON_FINITE, f"{spec.name} holds NaN/Inf values")
             self._digest.update(chunk)
             self._write(chunk)

@@ -33,6 +33,7 @@ import numpy as np
 
 from hsx import telemetry
 from hsx.contract import RID_PREFIX, EngineInfo
+from hsx.dumps import DumpFile, delete_dump, open_dump, validate_open_dump
 from hsx.engine_client import (
     DumpMissing,
     EngineClient,
@@ -40,14 +41,12 @@ from hsx.engine_client import (
     EngineTimeout,
     EngineUnavailable,
     EngineUnfit,
-    delete_dump,
 )
 from hsx.fsutil import WRITE_BEHIND_WINDOW
 from hsx.jobs.repository import ClaimedUnit, LiveCounts, RejectionRow, TruncationRow
 from hsx.layout import state_tensor_names
 from hsx.safetensors_io import DTYPE_SIZES
-from hsx.validation import ENGINE_TIMEOUT, TOO_LONG, SampleRejected, check_dump
-from workers.dump_file import DumpFile, open_dump
+from hsx.validation import DTYPE_MISMATCH, ENGINE_TIMEOUT, TOO_LONG, SampleRejected
 from workers.records import Pretokenized, Record
 from workers.shards import ShardInfo, ShardStream, canonical_state_dtype
 
@@ -363,26 +362,13 @@ class UnitProcessor:
         try:
             dump = open_dump(self.dump_dir, sent.rid, self.dump_wait_seconds)
             telemetry.dump_wait(time.monotonic() - started)
-            specs = dump.state_specs()
-            shapes = {name: spec.shape for name, spec in specs.items()}
-            check_dump(
-                dump.meta,
-                dump.input_ids(),
-                shapes,
-                pending.input_ids,
-                sent.cached_tokens,
-                self.tensors,
-                self.info.hidden_size,
-            )
-            other = sorted(
-                {spec.dtype for name, spec in specs.items() if name in self.tensors} - {self.dtype}
-            )
-            if other:
+            failure = validate_open_dump(dump, pending.input_ids, sent.cached_tokens, self.info).first_failure
+            if failure is None:
+                return dump
+            if failure.reason == DTYPE_MISMATCH:
                 # Every dump of this engine will be so: its states are not what it says they are.
-                raise EngineUnfit(
-                    f"the engine reports dtype {self.info.dtype} ({self.dtype}) but dumps {', '.join(other)}"
-                )
-            return dump
+                raise EngineUnfit(failure.detail)
+            raise SampleRejected(failure.reason or DTYPE_MISMATCH, failure.detail)
         except DumpMissing as exc:
             problem = SampleRejected("dump_missing", str(exc))
         except SampleRejected as exc:
