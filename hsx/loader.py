@@ -22,7 +22,13 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import numpy as np
 import numpy.typing as npt
 
-from hsx.layout import PRE_NORM_TENSOR, sample_tensor_name, state_tensor_names, tensor_name
+from hsx.layout import (
+    PRE_NORM_TENSOR,
+    TOKEN_TENSOR_NAMES,
+    sample_tensor_name,
+    state_tensor_names,
+    tensor_name,
+)
 from hsx.manifest import Manifest, ShardEntry
 from hsx.safetensors_io import SafetensorsError, TensorSpec, parse_header
 
@@ -30,7 +36,6 @@ if TYPE_CHECKING:
     import torch
 
 _NUMPY_DTYPES = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", "I32": "<i4", "I64": "<i8", "U8": "u1"}
-_TOKEN_TENSORS = ("input_ids", "loss_mask", "sample_offsets", "sample_index")
 _V1_STATE_TENSORS = ("hidden_state", "aux_hidden_state")
 _OPEN_SHARDS = 4  # mapped at once by a random-access reader
 
@@ -87,7 +92,7 @@ class ShardView:
             raise LoaderError(str(exc)) from exc
         if verify:
             self._verify(entry)
-        missing = [name for name in _TOKEN_TENSORS if name not in self.specs]
+        missing = [name for name in TOKEN_TENSOR_NAMES if name not in self.specs]
         if manifest.schema_version == 1:
             missing += [name for name in _V1_STATE_TENSORS if name not in self.specs]
         if missing:
