@@ -21,6 +21,7 @@ from hsx.dataset_uri import check_dataset_uri, resolve_local_dataset, uri_scheme
 from hsx.db.models import Job, JobState
 from hsx.engine_client import EngineClient, EngineError
 from hsx.errors import BadRequest, Conflict, NotFound, Unprocessable
+from hsx.job_options import JobOptions
 from hsx.jobs import document_queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import MANIFEST_NAME
@@ -40,10 +41,9 @@ ENGINE_CHECK_SECONDS = 5.0
 RETRIABLE_STATES = (JobState.failed.value, JobState.cancelled.value, JobState.succeeded.value)
 
 
-def request_hash(body: schemas.JobCreate) -> str:
-    canonical = json.dumps(
-        {"dataset_uri": body.dataset_uri, "options": body.options.model_dump(mode="json")}, sort_keys=True
-    )
+def request_hash(dataset_uri: str, options: JobOptions) -> str:
+    """The request's identity for idempotency, over the options as recorded (the unit size resolved)."""
+    canonical = json.dumps({"dataset_uri": dataset_uri, "options": options.stored()}, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -59,7 +59,8 @@ class JobService:
                 "the Idempotency-Key header and body field differ", error="idempotency_key_mismatch"
             )
         key = header_key or body.idempotency_key
-        digest = request_hash(body)
+        options = body.options.with_unit_size(self.settings.samples_per_shard)
+        digest = request_hash(body.dataset_uri, options)
         if key:
             existing = repo.get_job_by_idempotency_key(self.session, key)
             if existing is not None:
@@ -76,14 +77,14 @@ class JobService:
         else:
             check_dataset_uri(body.dataset_uri, self.settings)
             dataset_path = body.dataset_uri
-        self._check_engine(body.options)
+        self._check_engine(options)
         job_id = str(uuid.uuid4())
         job = Job(
             id=job_id,
             state=JobState.queued.value,
             dataset_uri=body.dataset_uri,
             dataset_path=dataset_path,
-            options=body.options.model_dump(mode="json"),
+            options=options.stored(),
             idempotency_key=key,
             request_hash=digest,
             output_dir=str(self.settings.resolved_output_dir / job_id),
@@ -104,7 +105,7 @@ class JobService:
         enqueue_wakeups(self.settings, job.id, 1)
         return job, True
 
-    def _check_engine(self, options: schemas.JobOptions) -> None:
+    def _check_engine(self, options: JobOptions) -> None:
         """Refuse options the engine cannot honour (a max_length past its context, other aux layers). An
         engine that does not answer now is no reason to refuse: every worker checks its own engine."""
         try:
@@ -112,7 +113,7 @@ class JobService:
                 info = client.info()
         except EngineError:
             return
-        problems = engine_fitness.option_problems(info, options.model_dump(mode="json"), check_cache=False)
+        problems = engine_fitness.option_problems(info, options, check_cache=False)
         for problem in problems:
             code = "max_length_exceeds_context" if problem.startswith("max_length") else "aux_layers_mismatch"
             raise Unprocessable(f"{problem} ({self.settings.engine_url})", error=code)
@@ -241,7 +242,7 @@ class JobService:
             id=job.id,
             state=job.state,
             dataset_uri=job.dataset_uri,
-            options=schemas.JobOptions.model_validate(job.options),
+            options=JobOptions.from_stored(job.options, self.settings.samples_per_shard),
             progress=self.progress(job),
             error=job.error,
             output_dir=job.output_dir,
