@@ -108,6 +108,11 @@ class JobOut(BaseModel):
         description="Every engine a worker brought to the job: ok, or why it was unfit or unavailable.",
     )
     output: OutputOut | None = None
+    engine_wait: str | None = Field(
+        None,
+        description="Whether a job is refused at submit for an unfit engine or waits for a fit one, and how "
+        "long (HSX_ENGINE_FLEET, HSX_NO_FIT_ENGINE_SECONDS).",
+    )
     units_failed: list[FailedUnitOut] = Field(
         default_factory=list, description="Units that failed for good, with their last error."
     )

@@ -15,11 +15,11 @@ from pathlib import Path
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.jobs import schemas
+from app.jobs import admission, schemas
 from hsx import engine_fitness
 from hsx.dataset_uri import check_dataset_uri, resolve_local_dataset, uri_scheme
 from hsx.db.models import Job, JobState
-from hsx.engine_client import EngineClient, EngineError
+from hsx.engine_client import EngineClient, EngineError, EngineUnfit
 from hsx.errors import BadRequest, Conflict, NotFound, Unprocessable
 from hsx.job_options import JobOptions
 from hsx.jobs import document_queries, recovery
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 SHARDS_IN_DOCUMENT = 10
 # A submission asks the engine for its context length and layers this long, then leaves it to the workers.
 ENGINE_CHECK_SECONDS = 5.0
+UNFIT = "engine_unfit"
 RETRIABLE_STATES = (JobState.failed.value, JobState.cancelled.value, JobState.succeeded.value)
 
 
@@ -106,17 +107,36 @@ class JobService:
         return job, True
 
     def _check_engine(self, options: JobOptions) -> None:
-        """Refuse options the engine cannot honour (a max_length past its context, other aux layers). An
-        engine that does not answer now is no reason to refuse: every worker checks its own engine."""
+        """Refuse options the engine cannot honour (a max_length past its context, other aux layers), and,
+        unless other engines may join (HSX_ENGINE_FLEET), an engine that fails the preflight
+        (:mod:`app.jobs.admission`). An engine that does not answer now is no reason to refuse: every worker
+        checks its own engine."""
+        url = self.settings.engine_url
+        fleet = self.settings.engine_fleet
         try:
-            with EngineClient(self.settings.engine_url, timeout=ENGINE_CHECK_SECONDS, retries=0) as client:
+            with EngineClient(url, timeout=ENGINE_CHECK_SECONDS, retries=0) as client:
                 info = client.info()
+        except EngineUnfit as exc:
+            if fleet:
+                return
+            raise Unprocessable(
+                f"{exc} (HSX_ENGINE_FLEET=true lets other engines serve it)", error=UNFIT
+            ) from exc
         except EngineError:
             return
         problems = engine_fitness.option_problems(info, options, check_cache=False)
         for problem in problems:
             code = "max_length_exceeds_context" if problem.startswith("max_length") else "aux_layers_mismatch"
-            raise Unprocessable(f"{problem} ({self.settings.engine_url})", error=code)
+            raise Unprocessable(f"{problem} ({url})", error=code)
+        if fleet:
+            return
+        checked = admission.preflight(self.settings, info)
+        if checked.refused:
+            raise Unprocessable(
+                f"the engine at {url} failed the preflight: {checked.detail} (HSX_ENGINE_FLEET=true "
+                "queues the job for other engines instead)",
+                error=UNFIT,
+            )
 
     @staticmethod
     def _same_request(job: Job, digest: str) -> Job:
@@ -250,6 +270,7 @@ class JobService:
             engine=job.engine,
             engines=list(job.engines or []),
             output=self.output(job),
+            engine_wait=admission.wait_statement(self.settings),
             units_failed=[
                 schemas.FailedUnitOut(unit_index=u.unit_index, failures=u.failures, error=u.error)
                 for u in recovery.failed_units(self.session, job.id)
