@@ -93,8 +93,10 @@ class Settings(BaseSettings):
     # that HSX_ENGINE_URL's engine fails the preflight for, and the job waits no_fit_engine_seconds for a
     # fit one. Off: such a job is refused at once with a 422 naming the failed checks.
     engine_fleet: bool = False
-    # How long POST /jobs trusts a preflight of an engine whose identity (/hsx/info) is unchanged.
-    submit_preflight_ttl_seconds: float = 60.0
+    # How long POST /jobs trusts a preflight of an engine whose identity (everything /hsx/info reports) is
+    # unchanged: a restart with other settings is another identity, checked afresh. A preflight is two short
+    # prefills, yet took 20-30 s on the loaded 2-core test host (bench/submit.py).
+    submit_preflight_ttl_seconds: float = 600.0
     # Refuse a job whose projected output does not fit in the output filesystem's free space (at prepare).
     # Off for filesystems whose free space means nothing (some network and FUSE mounts).
     check_output_space: bool = True

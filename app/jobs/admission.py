@@ -8,7 +8,7 @@ failures may be the API's own view (it could not read the dumps or load a tokeni
 come back in time), and any job in a fleet (``HSX_ENGINE_FLEET=true``), where other engines may join. Those
 jobs keep the wait, and the job document says so (``engine_wait``).
 
-A preflight is a few prefills of a short prompt; its result is kept per engine identity (everything
+A preflight is two prefills of a short prompt; its result is kept per engine identity (everything
 ``/hsx/info`` reports, the prefix cache included) for ``HSX_SUBMIT_PREFLIGHT_TTL_SECONDS``, so a burst of
 submissions runs it once and a restarted engine with other settings is checked afresh.
 """
