@@ -92,3 +92,20 @@ def _not_an_engine() -> Any:
         return {"status": "ok"}
 
     return app
+
+
+@postgres_only
+def test_a_preflight_the_api_cannot_judge_refuses_nothing(
+    db_url: str, redis_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An API that does not see the engine's dump directory cannot read the preflight's dumps: that says
+    nothing about the engine, so the job is queued and its workers, which do see them, decide."""
+    from app.jobs import admission
+
+    blind = tmp_path / "not-the-engines-dumps"
+    blind.mkdir()
+    stack = make_stack(db_url, redis_url, engine_nocache.url, tmp_path, monkeypatch, dump_dir=str(blind))
+    monkeypatch.setattr(admission, "PREFLIGHT_DUMP_WAIT_SECONDS", 0.5)
+    assert stack.submit(SHORT)["state"] == "queued"
+    [(key, (_, result))] = [(k, v) for k, v in admission._results.items() if k[1] == str(blind)]
+    assert not result.refused and any(".dump" in failed for failed in result.failed), result

@@ -42,14 +42,15 @@ class Preflight:
         return "; ".join(self.failed)
 
 
-_results: dict[tuple[str, str], tuple[float, Preflight]] = {}
+_results: dict[tuple[str, str, str], tuple[float, Preflight]] = {}
 # One preflight at a time per API process: submissions that arrive meanwhile wait for it and share it.
 _lock = threading.Lock()
 
 
 def preflight(settings: Settings, info: EngineInfo) -> Preflight:
     """The configured engine's preflight, run at most once per identity and TTL in this process."""
-    key = (settings.engine_url, engine_fitness.identity_digest(info))
+    # The API's view of the dumps is part of what the result depends on.
+    key = (settings.engine_url, settings.dump_dir, engine_fitness.identity_digest(info))
     with _lock:
         kept = _results.get(key)
         if kept is not None and time.monotonic() - kept[0] < settings.submit_preflight_ttl_seconds:
