@@ -63,7 +63,7 @@ def engine_readiness(session: Session, settings: Settings) -> tuple[str, list[st
     problem = engine_fitness.protocol_problem(info)
     notes = engine_fitness.unreported_identity(info)
     if info.prefix_cache:
-        notes.append("prefix cache on: only jobs with cache_namespace_per_request=true can use this engine")
+        notes.append(f"prefix cache on: {engine_fitness.PREFIX_CACHE_PROBLEM}")
     unfit: dict[str, str] = {}
     for job in document_queries.active_jobs(session):
         reason = engine_fitness.unfit_reason(info, dict(job.options), job.engine)

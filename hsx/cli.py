@@ -126,10 +126,9 @@ def _api(url: str) -> Any:
 def cmd_submit(args: argparse.Namespace) -> int:
     from hsx import cli_progress as ui
 
-    options: dict[str, Any] = {
-        "chat_template": not args.no_chat_template,
-        "samples_per_shard": args.samples_per_shard,
-    }
+    options: dict[str, Any] = {"chat_template": not args.no_chat_template}
+    if args.samples_per_shard is not None:  # left out: the deployment's HSX_SAMPLES_PER_SHARD
+        options["samples_per_shard"] = args.samples_per_shard
     if args.max_length is not None:
         options["max_length"] = args.max_length
     if args.truncation:
@@ -261,7 +260,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-BENCHES = ("pipeline", "e2e", "memory", "api", "scale")
+BENCHES = ("pipeline", "e2e", "memory", "api", "scale", "submit")
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -339,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a longer sample is cut and kept (the default) or rejected as too_long",
     )
     p.add_argument("--aux-layers")
-    p.add_argument("--samples-per-shard", type=int, default=64)
+    p.add_argument(
+        "--samples-per-shard", type=int, default=None, help="default: the API's HSX_SAMPLES_PER_SHARD (64)"
+    )
     p.add_argument("--idempotency-key")
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_submit)

@@ -235,7 +235,16 @@ def test_an_engine_without_hsx_info_takes_no_unit_and_a_healthy_one_finishes(
 def test_a_job_no_fit_engine_serves_fails_after_the_window_naming_the_engines(
     db_url: str, redis_url: str, plain_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    stack = make_stack(db_url, redis_url, plain_server, tmp_path, monkeypatch, no_fit_engine_seconds="0.3")
+    # A fleet: other engines may join, so the submission waits for one instead of a 422 (test_api_usability).
+    stack = make_stack(
+        db_url,
+        redis_url,
+        plain_server,
+        tmp_path,
+        monkeypatch,
+        no_fit_engine_seconds="0.3",
+        engine_fleet="true",
+    )
     job_id = stack.submit(write_pretokenized(tmp_path / "d.jsonl", [30] * 2))["id"]
     runner(plain_server)(job_id).run()
     assert stack.job(job_id)["state"] == "queued", "the first refusal waits for a healthy worker"
@@ -251,7 +260,7 @@ def test_an_engine_whose_dumps_break_its_own_dtype_is_refused_and_gives_its_unit
     db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     liar = engines.start("--reported-dtype", "float16")
-    stack = make_stack(db_url, redis_url, liar.url, tmp_path, monkeypatch)
+    stack = make_stack(db_url, redis_url, liar.url, tmp_path, monkeypatch, engine_fleet="true")
     job_id = stack.submit(write_pretokenized(tmp_path / "d.jsonl", [30] * 4), samples_per_shard=2)["id"]
     # The preflight reads a dump and sees the dtype differ from what the engine reports.
     refused = runner(liar.url)(job_id).run()
@@ -358,7 +367,7 @@ def test_retry_reruns_engine_side_rejections_and_publishes_each_sample_once(
                 {"role": "assistant", "content": f"{i} plus {i + 3} is {2 * i + 3}."},
             ]
             fh.write(json.dumps({"messages": messages}) + "\n")
-    stack = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch)
+    stack = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch, engine_fleet="true")
     job_id = stack.submit(sample, samples_per_shard=32, cache_namespace_per_request=False)["id"]
     try:
         runner(engine_cache.url, preflight=False)(job_id).run()

@@ -21,6 +21,7 @@ from hsx import engine_fitness
 from hsx.contract import EngineInfo
 from hsx.db.models import JobState
 from hsx.db.session import session_scope
+from hsx.job_options import JobOptions
 from hsx.jobs import engines as job_engines
 from hsx.jobs import repository as repo
 from hsx.retry import DATABASE
@@ -111,7 +112,7 @@ class EngineGate:
 
 
 def static_problem(
-    info: EngineInfo, options: dict[str, Any], job_engine: dict[str, Any] | None, cache_rule: bool
+    info: EngineInfo, options: JobOptions, job_engine: dict[str, Any] | None, cache_rule: bool
 ) -> str | None:
     """What unfits the engine before any tokenizer is loaded (``cache_rule`` off only where a test means to
     show the per-sample checks behind it)."""

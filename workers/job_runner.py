@@ -33,6 +33,7 @@ from hsx.db.session import retry_db, session_scope
 from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
 from hsx.faults import crash_point
 from hsx.ingest import DatasetError, UnitRange, read_unit_records
+from hsx.job_options import JobOptions
 from hsx.jobs import engines as job_engines
 from hsx.jobs import recovery
 from hsx.jobs import repository as repo
@@ -46,7 +47,7 @@ from workers.job_prepare import JobPreparer
 from workers.lease import LeaseKeeper
 from workers.shards import ShardWriteError
 from workers.unit_commit import commit_unit, staged_path
-from workers.unit_processor import TRUNCATE, UnitAborted, UnitProcessor, UnitResult
+from workers.unit_processor import UnitAborted, UnitProcessor, UnitResult
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class JobView:
     """What a runner needs of the job row, read once per wake-up."""
 
     state: str
-    options: dict[str, Any]
+    options: JobOptions  # the unit size resolved against this deployment's default
     engine: dict[str, Any] | None
     dataset_path: str
     output_dir: str
@@ -86,10 +87,10 @@ class JobView:
     units_total: int
 
     @classmethod
-    def of(cls, job: Job) -> JobView:
+    def of(cls, job: Job, settings: Settings) -> JobView:
         return cls(
             job.state,
-            dict(job.options),
+            JobOptions.from_stored(job.options, settings.samples_per_shard),
             job.engine,
             job.dataset_path,
             job.output_dir,
@@ -129,7 +130,7 @@ class JobRunner:
     def _load(self) -> JobView | None:
         with session_scope(self.db_url) as session:
             job = repo.get_job(session, self.job_id)
-            return None if job is None else JobView.of(job)
+            return None if job is None else JobView.of(job, self.settings)
 
     def _refused(self, refusal: Refusal) -> Outcome:
         ended = f"; the job failed: {refusal.job_failed}" if refusal.job_failed else ""
@@ -249,7 +250,7 @@ class JobRunner:
     def _dump_dir(self, info: EngineInfo) -> str:
         return self.settings.dump_dir or info.dump_dir
 
-    def _chat_encoder(self, info: EngineInfo, options: dict[str, Any]) -> Any:
+    def _chat_encoder(self, info: EngineInfo, options: JobOptions) -> Any:
         """The job's encoder, without a length limit (the processor applies the job's truncation)."""
         from workers.chat import ChatEncoder
 
@@ -262,7 +263,7 @@ class JobRunner:
                 f"or send pre-tokenized records): {exc}"
             ) from exc
         try:
-            return ChatEncoder(tokenizer, bool(options.get("chat_template", True)), None)
+            return ChatEncoder(tokenizer, options.chat_template, None)
         except ValueError as exc:  # a base model's tokenizer has no chat template
             raise TokenizerMissing(
                 f"the tokenizer at {path!r} cannot encode this job's chat records: {exc} (submit with "
@@ -313,7 +314,7 @@ class JobRunner:
     def _finalize(self) -> bool:
         return finalize_if_complete(self.db_url, self.job_id)
 
-    def _processor(self, info: EngineInfo, options: dict[str, Any]) -> UnitProcessor:
+    def _processor(self, info: EngineInfo, options: JobOptions) -> UnitProcessor:
         return UnitProcessor(
             self.client,
             info,
@@ -321,10 +322,10 @@ class JobRunner:
             self._dump_dir(info),
             self.settings.dump_wait_seconds,
             self.settings.engine_concurrency,
-            bool(options.get("cache_namespace_per_request", True)),
+            options.cache_namespace_per_request,
             self.settings.max_inflight_dump_bytes,
-            options.get("max_length"),
-            str(options.get("truncation", TRUNCATE)),
+            options.max_length,
+            options.truncation,
             self.settings.shard_write_behind_bytes,
         )
 
@@ -340,9 +341,7 @@ class JobRunner:
         span = UnitRange(unit.sample_start, unit.sample_end, unit.byte_start, unit.byte_end)
         try:
             with keeper:
-                records = read_unit_records(
-                    job.records_path, job.records_bytes, span, job.options.get("format", "auto")
-                )
+                records = read_unit_records(job.records_path, job.records_bytes, span, job.options.format)
                 processor.process(
                     unit,
                     (r for r in records if unit.holds(r[0])),

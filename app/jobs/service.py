@@ -15,12 +15,13 @@ from pathlib import Path
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.jobs import schemas
+from app.jobs import admission, schemas
 from hsx import engine_fitness
 from hsx.db.models import Job, JobState
-from hsx.engine_client import EngineClient, EngineError
+from hsx.engine_client import EngineClient, EngineError, EngineUnfit
 from hsx.errors import BadRequest, Conflict, NotFound, Unprocessable
 from hsx.ingest import inspect_dataset
+from hsx.job_options import JobOptions
 from hsx.jobs import document_queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import MANIFEST_NAME
@@ -35,13 +36,13 @@ log = logging.getLogger(__name__)
 SHARDS_IN_DOCUMENT = 10
 # A submission asks the engine for its context length and layers this long, then leaves it to the workers.
 ENGINE_CHECK_SECONDS = 5.0
+UNFIT = "engine_unfit"
 RETRIABLE_STATES = (JobState.failed.value, JobState.cancelled.value, JobState.succeeded.value)
 
 
-def request_hash(body: schemas.JobCreate) -> str:
-    canonical = json.dumps(
-        {"dataset_uri": body.dataset_uri, "options": body.options.model_dump(mode="json")}, sort_keys=True
-    )
+def request_hash(dataset_uri: str, options: JobOptions) -> str:
+    """The request's identity for idempotency, over the options as recorded (the unit size resolved)."""
+    canonical = json.dumps({"dataset_uri": dataset_uri, "options": options.stored()}, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -57,7 +58,8 @@ class JobService:
                 "the Idempotency-Key header and body field differ", error="idempotency_key_mismatch"
             )
         key = header_key or body.idempotency_key
-        digest = request_hash(body)
+        options = body.options.with_unit_size(self.settings.samples_per_shard)
+        digest = request_hash(body.dataset_uri, options)
         if key:
             existing = repo.get_job_by_idempotency_key(self.session, key)
             if existing is not None:
@@ -65,14 +67,14 @@ class JobService:
         # Bounded work only: downloading, converting, counting and indexing are the job's first step, done
         # by a worker. A local dataset is vetted and its head read; a remote one is checked without transfer.
         dataset_path = inspect_dataset(body.dataset_uri, self.settings).dataset_path
-        self._check_engine(body.options)
+        self._check_engine(options)
         job_id = str(uuid.uuid4())
         job = Job(
             id=job_id,
             state=JobState.queued.value,
             dataset_uri=body.dataset_uri,
             dataset_path=dataset_path,
-            options=body.options.model_dump(mode="json"),
+            options=options.stored(),
             idempotency_key=key,
             request_hash=digest,
             output_dir=str(self.settings.resolved_output_dir / job_id),
@@ -93,18 +95,37 @@ class JobService:
         enqueue_wakeups(self.settings, job.id, 1)
         return job, True
 
-    def _check_engine(self, options: schemas.JobOptions) -> None:
-        """Refuse options the engine cannot honour (a max_length past its context, other aux layers). An
-        engine that does not answer now is no reason to refuse: every worker checks its own engine."""
+    def _check_engine(self, options: JobOptions) -> None:
+        """Refuse options the engine cannot honour (a max_length past its context, other aux layers), and,
+        unless other engines may join (HSX_ENGINE_FLEET), an engine that fails the preflight
+        (:mod:`app.jobs.admission`). An engine that does not answer now is no reason to refuse: every worker
+        checks its own engine."""
+        url = self.settings.engine_url
+        fleet = self.settings.engine_fleet
         try:
-            with EngineClient(self.settings.engine_url, timeout=ENGINE_CHECK_SECONDS, retries=0) as client:
+            with EngineClient(url, timeout=ENGINE_CHECK_SECONDS, retries=0) as client:
                 info = client.info()
+        except EngineUnfit as exc:
+            if fleet:
+                return
+            raise Unprocessable(
+                f"{exc} (HSX_ENGINE_FLEET=true lets other engines serve it)", error=UNFIT
+            ) from exc
         except EngineError:
             return
-        problems = engine_fitness.option_problems(info, options.model_dump(mode="json"), check_cache=False)
+        problems = engine_fitness.option_problems(info, options, check_cache=False)
         for problem in problems:
             code = "max_length_exceeds_context" if problem.startswith("max_length") else "aux_layers_mismatch"
-            raise Unprocessable(f"{problem} ({self.settings.engine_url})", error=code)
+            raise Unprocessable(f"{problem} ({url})", error=code)
+        if fleet:
+            return
+        checked = admission.preflight(self.settings, info)
+        if checked.refused:
+            raise Unprocessable(
+                f"the engine at {url} failed the preflight: {checked.detail} (HSX_ENGINE_FLEET=true "
+                "queues the job for other engines instead)",
+                error=UNFIT,
+            )
 
     @staticmethod
     def _same_request(job: Job, digest: str) -> Job:
@@ -230,7 +251,7 @@ class JobService:
             id=job.id,
             state=job.state,
             dataset_uri=job.dataset_uri,
-            options=schemas.JobOptions.model_validate(job.options),
+            options=JobOptions.from_stored(job.options, self.settings.samples_per_shard),
             progress=self.progress(job),
             error=job.error,
             output_dir=job.output_dir,
@@ -238,6 +259,7 @@ class JobService:
             engine=job.engine,
             engines=list(job.engines or []),
             output=self.output(job),
+            engine_wait=admission.wait_statement(self.settings),
             units_failed=[
                 schemas.FailedUnitOut(unit_index=u.unit_index, failures=u.failures, error=u.error)
                 for u in recovery.failed_units(self.session, job.id)
