@@ -12,7 +12,7 @@ from app.deps import SessionDep, SettingsDep
 from app.jobs.schemas import ErrorOut, VerifyOut
 from hsx import engine_fitness
 from hsx.engine_client import EngineClient, EngineError, EngineUnfit
-from hsx.jobs import document_queries
+from hsx.jobs import queries
 from hsx.jobs.queue import redis_connection
 from hsx.settings import Settings
 
@@ -65,7 +65,7 @@ def engine_readiness(session: Session, settings: Settings) -> tuple[str, list[st
     if info.prefix_cache:
         notes.append("prefix cache on: only jobs with cache_namespace_per_request=true can use this engine")
     unfit: dict[str, str] = {}
-    for job in document_queries.active_jobs(session):
+    for job in queries.active_jobs(session, limit=100):
         reason = engine_fitness.unfit_reason(info, dict(job.options), job.engine)
         if reason:
             unfit[job.id] = reason

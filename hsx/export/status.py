@@ -24,7 +24,6 @@ from typing import Any
 from hsx.fsutil import fsync_dir
 from hsx.settings import Settings
 
-EXPORT_TASK = "hsx.export.tasks.run_export"
 RQ_JOB_PREFIX = "hsx-export-"
 STATES = ("queued", "running", "succeeded", "failed")
 ACTIVE_STATES = ("queued", "running")
