@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from app.deps import SessionDep, SettingsDep
@@ -33,7 +32,7 @@ def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
     checks: dict[str, str] = {}
     body: dict[str, object] = {}
     try:
-        session.execute(text("SELECT 1"))
+        queries.ping(session)
         checks["database"] = "ok"
     except Exception as exc:  # noqa: BLE001 - readiness reports, never raises
         checks["database"] = f"error: {exc.__class__.__name__}"

@@ -75,6 +75,11 @@ class LeaseRow:
     expires: float
 
 
+def ping(session: Session) -> None:
+    """Raises when the database does not answer."""
+    session.execute(select(1))
+
+
 # --- jobs ------------------------------------------------------------------------------------------------
 
 
