@@ -12,7 +12,7 @@ from sqlalchemy.exc import OperationalError, ProgrammingError, SQLAlchemyError
 from starlette.exceptions import HTTPException
 
 from app.exports.endpoints import router as exports_router
-from app.fleet import router as fleet_router
+from app.fleet.endpoints import router as fleet_router
 from app.jobs.endpoints import router as jobs_router
 from app.metrics import router as metrics_router
 from app.ops import health_router, verify_router

@@ -36,7 +36,9 @@ from sqlalchemy.orm import Session
 
 from app.deps import SessionDep, SettingsDep
 from app.jobs.schemas import ErrorOut
-from hsx import job_stats, telemetry
+from hsx import telemetry
+from hsx.db.models import Job
+from hsx.jobs import queries
 from hsx.jobs.queue import queue_for, redis_connection
 from hsx.settings import Settings
 
@@ -79,10 +81,26 @@ def failed_registry_counts(connection: Any, queue: Any) -> tuple[int, int]:
     return len(ids) - interrupted, interrupted
 
 
+@dataclass(frozen=True)
+class ActiveJob:
+    id: str
+    state: str
+    samples_total: int
+    samples_handled: int
+    tokens: int
+    started_at: datetime | None
+
+    @classmethod
+    def of(cls, job: Job) -> ActiveJob:
+        handled = job.samples_done + job.samples_rejected
+        started = queries.aware(job.started_at)
+        return cls(job.id, job.state, job.samples_total, handled, int(job.tokens_done), started)
+
+
 @dataclass
 class Snapshot:
-    totals: job_stats.Totals | None = None
-    active: list[job_stats.ActiveJob] = field(default_factory=list)
+    totals: queries.Totals | None = None
+    active: list[ActiveJob] = field(default_factory=list)
     queue: QueueStats | None = None
     pushed: dict[str, Any] | None = None
     errors: dict[str, bool] = field(default_factory=dict)
@@ -91,8 +109,8 @@ class Snapshot:
 def take_snapshot(session: Session, settings: Settings) -> Snapshot:
     snap = Snapshot(errors={"database": False, "redis": False})
     try:
-        snap.totals = job_stats.totals(session, time.time())
-        snap.active = job_stats.active_jobs(session)
+        snap.totals = queries.totals(session, time.time())
+        snap.active = [ActiveJob.of(job) for job in queries.active_jobs(session)]
     except Exception as exc:  # noqa: BLE001 - a scrape reports a broken source, it does not fail
         log.warning("metrics: database unreadable: %s", exc.__class__.__name__)
         snap.errors["database"] = True
@@ -115,7 +133,7 @@ def take_snapshot(session: Session, settings: Settings) -> Snapshot:
     return snap
 
 
-def tokens_per_second(active: list[job_stats.ActiveJob], now: datetime) -> float:
+def tokens_per_second(active: list[ActiveJob], now: datetime) -> float:
     rate = 0.0
     for job in active:
         if job.state == "running" and job.started_at is not None:
@@ -154,7 +172,7 @@ class SnapshotCollector(Collector):
             yield from self._pushed(snap.pushed)
 
     @staticmethod
-    def _job_table(t: job_stats.Totals, active: list[job_stats.ActiveJob]) -> Iterator[Metric]:
+    def _job_table(t: queries.Totals, active: list[ActiveJob]) -> Iterator[Metric]:
         jobs = GaugeMetricFamily("hsx_jobs", "Jobs by state.", labels=["state"])
         for state, n in sorted(t.jobs_by_state.items()):
             jobs.add_metric([state], n)

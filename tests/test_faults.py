@@ -324,7 +324,7 @@ def baseline(engine_nocache: Any, tmp_path_factory: pytest.TempPathFactory) -> O
         upgrade(s.env["HSX_DATABASE_URL"])
         job_id = submit(s)
         runner = JobRunner(job_id, get_settings())
-        while runner.run_one().more_work:
+        while runner.run(max_units=1).more_work:
             pass
         queue_for(get_settings()).empty()  # type: ignore[no-untyped-call]
         out = assert_exactly_once(s, s.job(job_id), SAMPLES)
@@ -539,7 +539,7 @@ def test_commit_retried_after_its_connection_drops_past_the_rename(
 
     monkeypatch.setattr("workers.unit_commit.crash_point", cut_connection)
     runner = JobRunner(job_id, get_settings())
-    while runner.run_one().more_work:
+    while runner.run(max_units=1).more_work:
         pass
     assert cut and cut[0] >= 1, "the committing connection was cut"
     doc = fast.job(job_id)

@@ -168,12 +168,12 @@ def test_truncated_states_never_reach_a_shard_when_preflight_is_bypassed(
 ) -> None:
     """The cache-on engine really truncates prompts that share a prefix; validation must catch every one."""
     from hsx.settings import get_settings
-    from workers.job_runner import JobRunner
+    from tests.fixtures.unchecked_runner import UncheckedRunner
 
     s = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch, engine_fleet="true")
     job = s.submit(SAMPLE, samples_per_shard=32, cache_namespace_per_request=False)
-    runner = JobRunner(job["id"], get_settings(), preflight=False)
-    while runner.run_one().more_work:
+    runner = UncheckedRunner(job["id"], get_settings())
+    while runner.run(max_units=1).more_work:
         pass
     doc = s.job(job["id"])
     assert doc["state"] == "succeeded", doc

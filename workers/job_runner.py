@@ -34,8 +34,7 @@ from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
 from hsx.faults import crash_point
 from hsx.ingest import DatasetError, UnitRange, read_unit_records
 from hsx.job_options import JobOptions
-from hsx.jobs import engines as job_engines
-from hsx.jobs import recovery
+from hsx.jobs import engines_met, queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
 from hsx.jobs.queue import wake_idle_workers
@@ -110,13 +109,10 @@ def load_tokenizer(path: str) -> Any:
 
 
 class JobRunner:
-    def __init__(self, job_id: str, settings: Settings, preflight: bool = True) -> None:
-        """``preflight=False`` skips the checks that keep a prefix-caching engine out (the verification
-        and the cache rule): only tests use it, to show the per-sample checks behind them."""
+    def __init__(self, job_id: str, settings: Settings) -> None:
         self.job_id = job_id
         self.settings = settings
         self.db_url = settings.resolved_database_url
-        self.preflight = preflight
         self.owner = lease_owner(os.getpid(), settings.engine_url)
         self.client = EngineClient(
             settings.engine_url, timeout=settings.engine_timeout_seconds, retries=settings.engine_retries
@@ -136,10 +132,6 @@ class JobRunner:
         ended = f"; the job failed: {refusal.job_failed}" if refusal.job_failed else ""
         return Outcome(f"engine {refusal.state}: {refusal.reason}{ended}", False)
 
-    def run_one(self) -> Outcome:
-        """At most one unit (tests step a job with it)."""
-        return self.run(max_units=1)
-
     def run(self, max_units: int | None = None) -> Outcome:
         job = self._load()
         if job is None:
@@ -149,15 +141,15 @@ class JobRunner:
         try:
             info = self.client.info()
         except EngineUnfit as exc:
-            return self._refused(self.gate.refuse(job_engines.UNFIT, str(exc)))
+            return self._refused(self.gate.refuse(engines_met.UNFIT, str(exc)))
         except EngineUnavailable as exc:
-            return self._refused(self.gate.refuse(job_engines.UNAVAILABLE, str(exc)))
-        problem = static_problem(info, job.options, job.engine, cache_rule=self.preflight)
+            return self._refused(self.gate.refuse(engines_met.UNAVAILABLE, str(exc)))
+        problem = static_problem(info, job.options, job.engine)
         if problem:
-            return self._refused(self.gate.refuse(job_engines.UNFIT, problem, info))
+            return self._refused(self.gate.refuse(engines_met.UNFIT, problem, info))
         if job.state == JobState.queued.value:
             # Verified before the dataset is prepared: an unfit engine leaves the job to another worker.
-            refusal = self._verify(info) if self.preflight else None
+            refusal = self._verify(info)
             if refusal is not None:
                 return self._refused(refusal)
             if job.units_total == 0 and not self._prepare(job, info):
@@ -187,8 +179,7 @@ class JobRunner:
         record = self._engine_record(info)
         with session_scope(self.db_url) as session:
             repo.set_job_state(session, self.job_id, JobState.running, [JobState.queued.value], engine=record)
-        if self.preflight:
-            self._verified_identity = engine_fitness.identity_digest(info, self._worker_side(record))
+        self._verified_identity = engine_fitness.identity_digest(info, self._worker_side(record))
 
     def _join(self, job: JobView, info: EngineInfo) -> Refusal | None:
         """A running job: this engine (and tokenizer) must be the job's, and verified once for it."""
@@ -197,15 +188,14 @@ class JobRunner:
         if job.engine:
             problems = engine_fitness.identity_problems(job.engine, info, worker_side)
             if problems:
-                return self.gate.refuse(job_engines.UNFIT, "; ".join(problems), info)
+                return self.gate.refuse(engines_met.UNFIT, "; ".join(problems), info)
         identity = engine_fitness.identity_digest(info, worker_side)
         verified = self._verified_identity == identity or self.gate.verified(identity)
-        if self.preflight and not verified:
+        if not verified:
             refusal = self._verify(info)
             if refusal is not None:
                 return refusal
-            verified = True
-        self.gate.accept(info, identity, verified and self.preflight)
+        self.gate.accept(info, identity)
         return None
 
     def _verify(self, info: EngineInfo) -> Refusal | None:
@@ -216,7 +206,7 @@ class JobRunner:
             return None
         failed = [c for c in report.checks if not c.ok]
         reasons = "; ".join(f"{c.name}: expected {c.expected}, got {c.actual}" for c in failed[:4])
-        return self.gate.refuse(job_engines.UNFIT, f"engine failed the preflight check: {reasons}", info)
+        return self.gate.refuse(engines_met.UNFIT, f"engine failed the preflight check: {reasons}", info)
 
     @staticmethod
     def _worker_side(record: dict[str, Any]) -> dict[str, Any]:
@@ -297,7 +287,7 @@ class JobRunner:
 
     def _claim(self) -> ClaimedUnit | None:
         with session_scope(self.db_url) as session:
-            if repo.job_state(session, self.job_id) != JobState.running.value:
+            if queries.job_state(session, self.job_id) != JobState.running.value:
                 return None
             return repo.claim_unit(session, self.job_id, self.owner, self.settings.lease_seconds, time.time())
 
@@ -306,7 +296,7 @@ class JobRunner:
         once (best effort: the reconciler keeps one queued from the job table whatever Redis lost)."""
         try:
             with session_scope(self.db_url) as session:
-                claimable = repo.claimable_count(session, self.job_id, time.time())
+                claimable = queries.claimable_count(session, self.job_id, time.time())
             wake_idle_workers(self.settings, self.job_id, claimable)
         except Exception as exc:  # noqa: BLE001 - waking others is never worth failing this unit
             log.warning("could not wake more workers for job %s: %s", self.job_id, exc)
@@ -365,7 +355,7 @@ class JobRunner:
             self._wake_more()
             telemetry.engine_error("unavailable" if isinstance(exc, EngineUnavailable) else "unfit")
             telemetry.unit_finished("released")
-            state = job_engines.UNAVAILABLE if isinstance(exc, EngineUnavailable) else job_engines.UNFIT
+            state = engines_met.UNAVAILABLE if isinstance(exc, EngineUnavailable) else engines_met.UNFIT
             return self._refused(self.gate.refuse(state, str(exc), info))
         except ShardWriteError as exc:
             return self._fail_for_good(unit, f"could not write shard for unit {unit.unit_index}: {exc}")

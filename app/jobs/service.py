@@ -17,12 +17,12 @@ from sqlalchemy.orm import Session
 
 from app.jobs import admission, schemas
 from hsx import engine_fitness
-from hsx.db.models import Job, JobState
+from hsx.db.models import Job, JobState, Shard
 from hsx.engine_client import EngineClient, EngineError, EngineUnfit
 from hsx.errors import BadRequest, Conflict, NotFound, Unprocessable
 from hsx.ingest import inspect_dataset
 from hsx.job_options import JobOptions
-from hsx.jobs import document_queries, recovery
+from hsx.jobs import queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import MANIFEST_NAME
 from hsx.jobs.queue import enqueue_wakeups
@@ -82,7 +82,7 @@ class JobService:
             units_total=0,
         )
         try:
-            repo.add_job(self.session, job, [])
+            repo.add_job(self.session, job)
             self.session.commit()
         except IntegrityError:
             # Another request with the same key committed first: answer with its job.
@@ -171,7 +171,7 @@ class JobService:
         added = recovery.add_retry_units(
             self.session, job_id, recovery.retriable_rejections(self.session, job_id, RETRIABLE_REASONS)
         )
-        if prepared and not recovery.open_unit_count(self.session, job_id):
+        if prepared and not queries.open_unit_count(self.session, job_id):
             self.session.rollback()
             raise Conflict(
                 f"job {job_id} has no failed unit and no retriable rejection "
@@ -189,7 +189,7 @@ class JobService:
 
     def progress(self, job: Job) -> schemas.Progress:
         live = (
-            document_queries.live_counts(self.session, job.id, time.time())
+            queries.live_counts(self.session, job.id, time.time())
             if job.state == JobState.running.value
             else LiveCounts(0, 0, 0)
         )
@@ -235,18 +235,39 @@ class JobService:
             bytes_written=job.bytes_written,
         )
 
-    def shards(self, job: Job, limit: int, offset: int) -> tuple[list[schemas.ShardOut], int]:
-        """One page of the job's shards in order, and how many there are."""
-        rows = repo.list_shards(self.session, job.id, limit, offset)
-        page = [
-            schemas.ShardOut(path=s.path, sha256=s.sha256, bytes=s.bytes, samples=s.samples, tokens=s.tokens)
-            for s in rows
+    def jobs(self, state: str | None, limit: int, offset: int) -> schemas.JobPage:
+        page = queries.job_page(self.session, state, limit, offset)
+        items = [self.summary(j) for j in page.items]
+        return schemas.JobPage(items=items, total=page.total, limit=limit, offset=offset)
+
+    def shards(self, job_id: str, limit: int, offset: int) -> schemas.ShardPage:
+        """One page of the job's shards in unit order, and how many there are."""
+        page = queries.shard_page(self.session, self.get(job_id).id, limit, offset)
+        return schemas.ShardPage(items=_shards_out(page.items), total=page.total, limit=limit, offset=offset)
+
+    def rejections(self, job_id: str, limit: int, offset: int) -> schemas.RejectionPage:
+        page = queries.rejection_page(self.session, self.get(job_id).id, limit, offset)
+        items = [
+            schemas.RejectionOut(
+                sample_index=r.sample_index, record_id=r.record_id, reason=r.reason, detail=r.detail
+            )
+            for r in page.items
         ]
-        return page, repo.shard_count(self.session, job.id)
+        return schemas.RejectionPage(items=items, total=page.total, limit=limit, offset=offset)
+
+    def truncations(self, job_id: str, limit: int, offset: int) -> schemas.TruncationPage:
+        page = queries.truncation_page(self.session, self.get(job_id).id, limit, offset)
+        items = [
+            schemas.TruncationOut(
+                sample_index=t.sample_index, record_id=t.record_id, tokens=t.tokens, kept=t.kept
+            )
+            for t in page.items
+        ]
+        return schemas.TruncationPage(items=items, total=page.total, limit=limit, offset=offset)
 
     def document(self, job: Job) -> schemas.JobOut:
         manifest = Path(job.output_dir) / MANIFEST_NAME
-        first, total = self.shards(job, SHARDS_IN_DOCUMENT, 0)
+        first = queries.shard_page(self.session, job.id, SHARDS_IN_DOCUMENT, 0)
         return schemas.JobOut(
             id=job.id,
             state=job.state,
@@ -262,10 +283,12 @@ class JobService:
             engine_wait=admission.wait_statement(self.settings),
             units_failed=[
                 schemas.FailedUnitOut(unit_index=u.unit_index, failures=u.failures, error=u.error)
-                for u in recovery.failed_units(self.session, job.id)
+                for u in queries.failed_units(self.session, job.id)
             ],
-            shards=schemas.ShardsPreview(total=total, items=first, href=f"/jobs/{job.id}/shards"),
-            rejections=repo.rejection_counts(self.session, job.id),
+            shards=schemas.ShardsPreview(
+                total=first.total, items=_shards_out(first.items), href=f"/jobs/{job.id}/shards"
+            ),
+            rejections=queries.rejection_counts(self.session, job.id),
             created_at=job.created_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
@@ -280,6 +303,13 @@ class JobService:
             error=job.error,
             created_at=job.created_at,
         )
+
+
+def _shards_out(rows: list[Shard]) -> list[schemas.ShardOut]:
+    return [
+        schemas.ShardOut(path=s.path, sha256=s.sha256, bytes=s.bytes, samples=s.samples, tokens=s.tokens)
+        for s in rows
+    ]
 
 
 def render_document(settings: Settings, job_id: str) -> bytes:

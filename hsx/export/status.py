@@ -23,7 +23,6 @@ from typing import Any
 from hsx.layout import write_atomically
 from hsx.settings import Settings
 
-EXPORT_TASK = "hsx.export.tasks.run_export"
 RQ_JOB_PREFIX = "hsx-export-"
 STATES = ("queued", "running", "succeeded", "failed")
 ACTIVE_STATES = ("queued", "running")

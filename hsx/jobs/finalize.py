@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hsx.db.models import JobState, UnitState
 from hsx.db.session import session_scope
+from hsx.jobs import queries
 from hsx.jobs import repository as repo
 from hsx.layout import is_temp_name, parse_staged_shard_name
 from hsx.manifest import Counts, Manifest, ModelInfo, ShardEntry, relative_shard_path
@@ -25,10 +26,10 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
             return True
         if job.state != JobState.running.value:
             return False
-        counts = repo.unit_counts(session, job_id)
+        counts = queries.unit_counts(session, job_id)
         if sum(n for state, n in counts.items() if state != UnitState.done.value):
             return False
-        shards = repo.list_shards(session, job_id)
+        shards = queries.list_shards(session, job_id)
         engine = job.engine or {}
         out = Path(job.output_dir)
         manifest = Manifest(
