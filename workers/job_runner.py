@@ -18,6 +18,7 @@ How a unit's attempt can end:
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import socket
@@ -40,6 +41,7 @@ from hsx.jobs.queue import wake_idle_workers
 from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
 from hsx.settings import Settings
+from hsx.streams import service as stream_service
 from workers.dataset import DatasetError
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
@@ -54,6 +56,15 @@ log = logging.getLogger(__name__)
 # Set in a work horse when its worker is asked to stop: the unit in hand finishes, no new one is claimed.
 SHUTDOWN = threading.Event()
 _TOKENIZERS: dict[str, Any] = {}
+
+
+class ClaimWait(enum.Enum):
+    """What a claim answers when a consume job's byte cap holds its next unit back."""
+
+    CONSUMERS = "consumers"
+
+
+WAIT_FOR_CONSUMERS = ClaimWait.CONSUMERS
 
 
 def lease_owner(pid: int, engine_url: str) -> str:
@@ -281,6 +292,9 @@ class JobRunner:
             if SHUTDOWN.is_set():
                 return Outcome(f"stopping after {done_here} unit(s)", True)
             unit = retry_db(lambda: self._claim())
+            if isinstance(unit, ClaimWait):
+                # No wake-up is queued: the acknowledgement that makes room wakes a worker (backpressure).
+                return Outcome(f"{done_here} unit(s); waiting for consumers under the byte cap", False)
             if unit is None:
                 finished = retry_db(lambda: self._finalize())
                 return Outcome(f"{done_here} unit(s); no unit left to claim", not finished)
@@ -296,18 +310,26 @@ class JobRunner:
                 return outcome
         return Outcome(f"{done_here} unit(s)", True)
 
-    def _claim(self) -> ClaimedUnit | None:
+    def _claim(self) -> ClaimedUnit | ClaimWait | None:
         with session_scope(self.db_url) as session:
             if repo.job_state(session, self.job_id) != JobState.running.value:
                 return None
-            return repo.claim_unit(session, self.job_id, self.owner, self.settings.lease_seconds, time.time())
+            now = time.time()
+            if not stream_service.may_claim(session, self.job_id, self.settings, now):
+                # Nothing left to claim is no wait: the job may be ready to finalize.
+                return WAIT_FOR_CONSUMERS if repo.claimable_count(session, self.job_id, now) else None
+            return repo.claim_unit(session, self.job_id, self.owner, self.settings.lease_seconds, now)
 
     def _wake_more(self) -> None:
         """Keep a wake-up waiting for every idle worker while units are claimable, so they all join at
         once (best effort: the reconciler keeps one queued from the job table whatever Redis lost)."""
         try:
             with session_scope(self.db_url) as session:
-                claimable = repo.claimable_count(session, self.job_id, time.time())
+                now = time.time()
+                claimable = repo.claimable_count(session, self.job_id, now)
+                job = repo.get_job(session, self.job_id) if claimable else None
+                if job is not None and stream_service.waiting_on_consumers(session, job, self.settings, now):
+                    claimable = 0  # at the byte cap: the next acknowledgement wakes a worker, not this
             wake_idle_workers(self.settings, self.job_id, claimable)
         except Exception as exc:  # noqa: BLE001 - waking others is never worth failing this unit
             log.warning("could not wake more workers for job %s: %s", self.job_id, exc)

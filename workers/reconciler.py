@@ -19,6 +19,7 @@ from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
 from hsx.jobs.queue import wake_idle_workers
 from hsx.settings import Settings
+from hsx.streams import service as stream_service
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
                 continue
             state, output_dir = job.state, job.output_dir
             claimable = repo.claimable_count(session, job_id, now)
+            if claimable and stream_service.waiting_on_consumers(session, job, settings, now):
+                claimable = 0  # a consume job at its byte cap is woken by acknowledgements, not polled
             live = repo.live_lease_count(session, job_id, now)
             leased = {(u.unit_index, u.attempt) for u in repo.leased_units(session, job_id)}
         if (

@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from app.streams.schemas import StreamStatus
+
 JobStateName = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
 
@@ -46,6 +48,17 @@ class JobOptions(BaseModel):
     samples_per_shard: int = Field(64, ge=1, le=65536)
     cache_namespace_per_request: bool = Field(
         True, description="Send each request its own cache namespace (SGLang extra_key) as a second guard."
+    )
+    retention: Literal["keep", "consume"] = Field(
+        "keep",
+        description="keep: the output stays whole; consume: shards are deleted once a consumer acknowledges "
+        "them, and workers wait while buffer_cap_bytes are held (docs/streaming.md).",
+    )
+    buffer_cap_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="consume: the most bytes committed-but-unacknowledged plus in flight; default "
+        "HSX_STREAM_BUFFER_CAP_BYTES, fixed at submission.",
     )
 
     @field_validator("aux_layers")
@@ -148,6 +161,9 @@ class JobOut(BaseModel):
     )
     shards: ShardsPreview
     rejections: dict[str, int] = Field(description="Rejected samples counted by reason.")
+    stream: StreamStatus | None = Field(
+        None, description="A consume job, or one with consumers: buffered bytes, the cap, consumers."
+    )
     created_at: UtcDatetime
     started_at: UtcDatetime | None
     finished_at: UtcDatetime | None

@@ -16,6 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.jobs import schemas
+from app.streams.schemas import StreamStatus
 from hsx import engine_fitness
 from hsx.dataset_uri import check_dataset_uri, resolve_local_dataset, uri_scheme
 from hsx.db.models import Job, JobState
@@ -27,6 +28,7 @@ from hsx.jobs.finalize import MANIFEST_NAME
 from hsx.jobs.queue import enqueue_wakeups
 from hsx.jobs.repository import LiveCounts
 from hsx.settings import Settings
+from hsx.streams import service as stream_service
 from hsx.validation import RETRIABLE_REASONS
 from workers.dataset import DatasetError
 from workers.records import inspect_head
@@ -77,13 +79,22 @@ class JobService:
             check_dataset_uri(body.dataset_uri, self.settings)
             dataset_path = body.dataset_uri
         self._check_engine(body.options)
+        options = body.options.model_dump(mode="json")
+        if options["retention"] == "consume":
+            options["buffer_cap_bytes"] = options["buffer_cap_bytes"] or self.settings.stream_buffer_cap_bytes
+            if self.settings.output_uri:
+                raise BadRequest(
+                    "retention=consume is not published to HSX_OUTPUT_URI (publication is at finalize, and "
+                    "consumed shards are gone by then); stream it, or submit with retention=keep",
+                    error="consume_not_published",
+                )
         job_id = str(uuid.uuid4())
         job = Job(
             id=job_id,
             state=JobState.queued.value,
             dataset_uri=body.dataset_uri,
             dataset_path=dataset_path,
-            options=body.options.model_dump(mode="json"),
+            options=options,
             idempotency_key=key,
             request_hash=digest,
             output_dir=str(self.settings.resolved_output_dir / job_id),
@@ -255,10 +266,15 @@ class JobService:
             ],
             shards=schemas.ShardsPreview(total=total, items=first, href=f"/jobs/{job.id}/shards"),
             rejections=repo.rejection_counts(self.session, job.id),
+            stream=self.stream(job),
             created_at=job.created_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
         )
+
+    def stream(self, job: Job) -> StreamStatus | None:
+        found = stream_service.status(self.session, job, self.settings, time.time())
+        return None if found is None else StreamStatus.model_validate(found, from_attributes=True)
 
     def summary(self, job: Job) -> schemas.JobSummary:
         return schemas.JobSummary(
