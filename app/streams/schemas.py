@@ -57,7 +57,7 @@ class LeaseOut(BaseModel):
     job_state: str
     items: list[LeasedItemOut]
     end_of_stream: bool = Field(
-        description="The job succeeded and every shard is acknowledged, but those this consumer holds."
+        description="The job succeeded and every shard is acknowledged or under a live lease: stop reading."
     )
     error: str | None = Field(None, description="Why the job failed or was cancelled.")
 

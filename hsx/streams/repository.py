@@ -274,15 +274,15 @@ def consumer_leases(session: Session, job_id: str, now: float) -> dict[str, tupl
     return {str(c): (int(n), int(b)) for c, n, b in rows}
 
 
-def unacked_not_held_by(session: Session, job_id: str, consumer_id: str, now: float) -> int:
-    """Shards committed and not acknowledged, other than those this consumer holds under a live lease."""
-    mine = int(
+def unacked_unleased(session: Session, job_id: str, now: float) -> int:
+    """Committed shards neither acknowledged nor under a live lease: what a consumer could still get."""
+    live = int(
         session.scalar(
             select(func.count())
             .select_from(StreamItem)
             .where(
                 StreamItem.job_id == job_id,
-                StreamItem.consumer_id == consumer_id,
+                StreamItem.consumer_id.is_not(None),
                 StreamItem.lease_expires >= now,
             )
         )
@@ -297,4 +297,4 @@ def unacked_not_held_by(session: Session, job_id: str, consumer_id: str, now: fl
         )
         or 0
     )
-    return shards - acked - mine
+    return shards - acked - live

@@ -73,7 +73,8 @@ def waiting_on_consumers(session: Session, job: Job, settings: Settings, now: fl
 class LeaseAnswer:
     job_state: str
     items: list[LeasedItem]
-    # The job succeeded and every shard is acknowledged but those this consumer holds: nothing more comes.
+    # The job succeeded and every shard is acknowledged or under a live lease: nothing more comes to this
+    # consumer unless a lease runs out (a consumer that died; its items wait for the next reader).
     end_of_stream: bool
     error: str | None = None
 
@@ -140,7 +141,7 @@ class StreamService:
         end = (
             not items
             and job.state == JobState.succeeded.value
-            and repo.unacked_not_held_by(self.session, job_id, consumer.id, now) == 0
+            and repo.unacked_unleased(self.session, job_id, now) == 0
         )
         self.session.commit()
         return LeaseAnswer(job.state, items, end, job.error)
