@@ -42,6 +42,7 @@ from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
+from hsx.streams.room import wait_for_room
 from workers.dataset import DatasetError
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
@@ -293,6 +294,8 @@ class JobRunner:
                 return Outcome(f"stopping after {done_here} unit(s)", True)
             unit = retry_db(lambda: self._claim())
             if isinstance(unit, ClaimWait):
+                if wait_for_room(self.settings, self.job_id, self.settings.stream_room_wait_seconds):
+                    continue
                 # No wake-up is queued: the acknowledgement that makes room wakes a worker (backpressure).
                 return Outcome(f"{done_here} unit(s); waiting for consumers under the byte cap", False)
             if unit is None:
