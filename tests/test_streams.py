@@ -239,3 +239,29 @@ def test_a_worker_at_the_cap_blocks_until_an_acknowledgement_then_goes_on(
     # One wake-up, three units: the worker waited at the cap twice and went on at each acknowledgement.
     assert acked == 3 and outcome and "no unit left" in outcome[0].summary, outcome
     assert stack.job(job_id)["state"] == "succeeded"
+
+
+def test_a_file_an_acknowledgement_left_behind_goes_at_the_next_call_and_nothing_else_does(
+    synth: tuple[Stack, Synthetic], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hsx.db.session import session_scope
+    from hsx.settings import get_settings
+    from hsx.streams import repository
+
+    stack, engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 4)
+    job_id = stack.submit(data, samples_per_shard=2, retention="consume")["id"]
+    run_worker(engine.url, job_id)
+    reader = consumer(stack, job_id)
+    first, second = lease(stack, job_id, reader)["items"]
+    # The acknowledgement committed and the API died before it deleted the file.
+    with session_scope(stack.env["HSX_DATABASE_URL"]) as session:
+        assert repository.ack_item(session, job_id, reader, first["id"], first["delivery"], time.time()) > 0
+    assert Path(first["path"]).exists()
+    assert lease(stack, job_id, reader)["items"] == []
+    assert not Path(first["path"]).exists() and Path(second["path"]).exists()
+    # A store that gets its output only at finalize cannot take a consume job: refused, saying why.
+    monkeypatch.setenv("HSX_OUTPUT_URI", "s3://bucket/prefix")
+    get_settings.cache_clear()
+    refused = stack.client.post("/jobs", json={"dataset_uri": str(data), "options": {"retention": "consume"}})
+    assert refused.status_code == 400 and refused.json()["error"] == "consume_not_published", refused.text

@@ -150,6 +150,9 @@ class StreamService:
             and repo.unacked_outside_group(self.session, job_id, consumer.group_name, now) == 0
         )
         self.session.commit()
+        if retention_of(job.options) == CONSUME:
+            # Files an acknowledgement could not delete (a crash between its commit and the unlink).
+            delete_acknowledged(self.session, job_id)
         return LeaseAnswer(job.state, items, end, job.error)
 
     def ack(self, job_id: str, consumer_id: str, deliveries: list[tuple[int, int]]) -> AckAnswer:
