@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import and_, exists, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -252,6 +253,11 @@ def live_unit_leases(session: Session, job_id: str, now: float) -> int:
         )
         or 0
     )
+
+
+def job_options(session: Session, job_id: str) -> dict[str, Any] | None:
+    options = session.scalar(select(Job.options).where(Job.id == job_id))
+    return None if options is None else dict(options)
 
 
 def lock_job(session: Session, job_id: str) -> Job | None:

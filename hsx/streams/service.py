@@ -55,6 +55,9 @@ def budget(session: Session, job: Job, settings: Settings, now: float) -> Budget
 def may_claim(session: Session, job_id: str, settings: Settings, now: float) -> bool:
     """Called in the claim's own transaction: the job row is locked first, so claims of one consume job
     are decided one after another and the cap holds with any number of workers."""
+    options = repo.job_options(session, job_id)
+    if options is None or retention_of(options) != CONSUME:
+        return options is not None  # a keep job's claims take no lock
     job = repo.lock_job(session, job_id)
     if job is None:
         return False
