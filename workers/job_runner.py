@@ -18,7 +18,6 @@ How a unit's attempt can end:
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import socket
@@ -43,6 +42,7 @@ from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
+from hsx.streams.contract import ClaimWait
 from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
@@ -56,15 +56,6 @@ log = logging.getLogger(__name__)
 # Set in a work horse when its worker is asked to stop: the unit in hand finishes, no new one is claimed.
 SHUTDOWN = threading.Event()
 _TOKENIZERS: dict[str, Any] = {}
-
-
-class ClaimWait(enum.Enum):
-    """What a claim answers when a consume job's byte cap holds its next unit back."""
-
-    CONSUMERS = "consumers"
-
-
-WAIT_FOR_CONSUMERS = ClaimWait.CONSUMERS
 
 
 def lease_owner(pid: int, engine_url: str) -> str:
@@ -319,7 +310,7 @@ class JobRunner:
             now = time.time()
             if not stream_service.may_claim(session, self.job_id, self.settings, now):
                 # Nothing left to claim is no wait: the job may be ready to finalize.
-                return WAIT_FOR_CONSUMERS if repo.claimable_count(session, self.job_id, now) else None
+                return ClaimWait.CONSUMERS if repo.claimable_count(session, self.job_id, now) else None
             return repo.claim_unit(session, self.job_id, self.owner, self.settings.lease_seconds, now)
 
     def _wake_more(self) -> None:
@@ -327,11 +318,7 @@ class JobRunner:
         once (best effort: the reconciler keeps one queued from the job table whatever Redis lost)."""
         try:
             with session_scope(self.db_url) as session:
-                now = time.time()
-                claimable = repo.claimable_count(session, self.job_id, now)
-                job = repo.get_job(session, self.job_id) if claimable else None
-                if job is not None and stream_service.waiting_on_consumers(session, job, self.settings, now):
-                    claimable = 0  # at the byte cap: the next acknowledgement wakes a worker, not this
+                claimable = stream_service.wakeable_units(session, self.job_id, self.settings, time.time())
             wake_idle_workers(self.settings, self.job_id, claimable)
         except Exception as exc:  # noqa: BLE001 - waking others is never worth failing this unit
             log.warning("could not wake more workers for job %s: %s", self.job_id, exc)

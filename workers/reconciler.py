@@ -58,9 +58,7 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
             if job is None:
                 continue
             state, output_dir = job.state, job.output_dir
-            claimable = repo.claimable_count(session, job_id, now)
-            if claimable and stream_service.waiting_on_consumers(session, job, settings, now):
-                claimable = 0  # a consume job at its byte cap is woken by acknowledgements, not polled
+            claimable = stream_service.wakeable_units(session, job_id, settings, now)
             live = repo.live_lease_count(session, job_id, now)
             leased = {(u.unit_index, u.attempt) for u in repo.leased_units(session, job_id)}
         if (

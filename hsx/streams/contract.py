@@ -3,12 +3,19 @@ library only): the retention modes, and the rule that decides whether a worker m
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, Literal
 
 Retention = Literal["keep", "consume"]
 KEEP: Retention = "keep"
 CONSUME: Retention = "consume"
+
+
+class ClaimWait(enum.Enum):
+    """What a claim answers when a consume job's byte cap holds its next unit back."""
+
+    CONSUMERS = "consumers"
 
 
 def retention_of(options: dict[str, Any]) -> str:

@@ -73,6 +73,16 @@ def waiting_on_consumers(session: Session, job: Job, settings: Settings, now: fl
     return room is not None and not room.may_claim() and jobs_repo.claimable_count(session, job.id, now) > 0
 
 
+def wakeable_units(session: Session, job_id: str, settings: Settings, now: float) -> int:
+    """Claimable units worth waking workers for: none while a consume job's cap holds them back (its
+    acknowledgements wake workers then; nothing polls it)."""
+    claimable = jobs_repo.claimable_count(session, job_id, now)
+    job = jobs_repo.get_job(session, job_id) if claimable else None
+    if job is not None and waiting_on_consumers(session, job, settings, now):
+        return 0
+    return claimable
+
+
 @dataclass
 class LeaseAnswer:
     job_state: str
