@@ -260,7 +260,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-BENCHES = ("pipeline", "e2e", "memory", "api", "scale", "submit")
+BENCHES = ("pipeline", "e2e", "memory", "api", "scale", "submit", "stream")
 
 
 def cmd_bench(argv: list[str]) -> int:

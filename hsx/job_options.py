@@ -51,6 +51,17 @@ class JobOptions(BaseModel):
         description="Send each request its own cache namespace (SGLang extra_key) as a second guard. It does "
         "not make a prefix-cached engine acceptable: such an engine is refused whatever this says.",
     )
+    retention: Literal["keep", "consume"] = Field(
+        "keep",
+        description="keep: the output stays whole; consume: shards are deleted once a consumer acknowledges "
+        "them, and workers wait while buffer_cap_bytes are held (docs/streaming.md).",
+    )
+    buffer_cap_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="consume: the most bytes committed-but-unacknowledged plus in flight; default "
+        "HSX_STREAM_BUFFER_CAP_BYTES, fixed at submission.",
+    )
 
     @field_validator("aux_layers")
     @classmethod

@@ -143,6 +143,14 @@ class Settings(BaseSettings):
     # Besides the output directory, publish each finished job to <output_uri>/<job_id> (s3://bucket/prefix;
     # the bucket must be in allowed_buckets). A job succeeds only once every object is confirmed there.
     output_uri: str = ""
+    # Streaming (docs/streaming.md): what a consume job may hold committed but unacknowledged, plus what its
+    # workers have in flight, unless the job names its own buffer_cap_bytes; and how long a consumer keeps
+    # an item it leased without acknowledging it before the item goes to another consumer.
+    stream_buffer_cap_bytes: int = 8 << 30
+    stream_lease_seconds: float = 300.0
+    # A worker that finds a consume job at its cap waits this long for an acknowledgement (blocking on
+    # Redis) before it leaves the job to the queue's wake-up; 0 leaves at once.
+    stream_room_wait_seconds: float = 10.0
     # Logs: "json" (one object a line) or "text" (key=value); both carry job, unit, attempt and rid.
     log_format: Literal["json", "text"] = "text"
     log_level: str = "INFO"

@@ -8,6 +8,8 @@
   sample counts (largest shard first to the least loaded part), so ranks differ by at most one shard's
   samples; a worker can still get nothing when a rank has fewer shards than workers, so choose
   ``samples_per_shard`` with that in mind.
+* :class:`JobStream` (:mod:`hsx.streams.torch_stream`): follows a running job through the API, shard by
+  shard as units commit, acknowledged by the training loop after each optimizer step (docs/streaming.md).
 * :func:`collate_samples`: pads a list of samples into a batch and builds the attention mask.
 
 Each item is a dict: ``index`` (dataset index), ``input_ids`` int64 [T], ``loss_mask`` int64 [T],
@@ -214,6 +216,8 @@ def collate_samples(
             raise ValueError(f"{name} is in some samples of the batch and not in others")
         first = batch[0][name]
         out[name] = torch.zeros((size, width, first.shape[1]), dtype=first.dtype)
+    if "stream_ref" in batch[0]:  # JobStream samples: what JobStream.ack needs after the optimizer step
+        out["stream_ref"] = [item["stream_ref"] for item in batch]
     for row, (item, length) in enumerate(zip(batch, lengths, strict=True)):
         out["input_ids"][row, :length] = item["input_ids"][:length]
         out["attention_mask"][row, :length] = 1
@@ -222,3 +226,16 @@ def collate_samples(
             if name in out:
                 out[name][row, :length] = item[name][:length]
     return out
+
+
+from hsx.streams.torch_stream import JobStream, JobStreamError  # noqa: E402  (re-exported here)
+
+__all__ = [
+    "JobStream",
+    "JobStreamError",
+    "OutputDataset",
+    "ShardedIterableDataset",
+    "collate_samples",
+    "sample_item",
+    "split_shards",
+]

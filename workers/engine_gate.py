@@ -112,9 +112,7 @@ class EngineGate:
             log.warning("could not note engine %s on job %s: %s", self.url, self.job_id, exc)
 
 
-def static_problem(
-    info: EngineInfo, options: JobOptions, job_engine: dict[str, Any] | None
-) -> str | None:
+def static_problem(info: EngineInfo, options: JobOptions, job_engine: dict[str, Any] | None) -> str | None:
     """What unfits the engine before any tokenizer is loaded."""
     problems = [p for p in [engine_fitness.protocol_problem(info)] if p]
     problems += engine_fitness.option_problems(info, options)

@@ -41,6 +41,9 @@ from hsx.jobs.queue import wake_idle_workers
 from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
 from hsx.settings import Settings
+from hsx.streams import service as stream_service
+from hsx.streams.contract import ClaimWait
+from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
 from workers.lease import LeaseKeeper
@@ -270,6 +273,11 @@ class JobRunner:
             if SHUTDOWN.is_set():
                 return Outcome(f"stopping after {done_here} unit(s)", True)
             unit = retry_db(lambda: self._claim())
+            if isinstance(unit, ClaimWait):
+                if wait_for_room(self.settings, self.job_id, self.settings.stream_room_wait_seconds):
+                    continue
+                # No wake-up is queued: the acknowledgement that makes room wakes a worker (backpressure).
+                return Outcome(f"{done_here} unit(s); waiting for consumers under the byte cap", False)
             if unit is None:
                 finished = retry_db(lambda: self._finalize())
                 return Outcome(f"{done_here} unit(s); no unit left to claim", not finished)
@@ -285,18 +293,22 @@ class JobRunner:
                 return outcome
         return Outcome(f"{done_here} unit(s)", True)
 
-    def _claim(self) -> ClaimedUnit | None:
+    def _claim(self) -> ClaimedUnit | ClaimWait | None:
         with session_scope(self.db_url) as session:
             if queries.job_state(session, self.job_id) != JobState.running.value:
                 return None
-            return repo.claim_unit(session, self.job_id, self.owner, self.settings.lease_seconds, time.time())
+            now = time.time()
+            if not stream_service.may_claim(session, self.job_id, self.settings, now):
+                # Nothing left to claim is no wait: the job may be ready to finalize.
+                return ClaimWait.CONSUMERS if queries.claimable_count(session, self.job_id, now) else None
+            return repo.claim_unit(session, self.job_id, self.owner, self.settings.lease_seconds, now)
 
     def _wake_more(self) -> None:
         """Keep a wake-up waiting for every idle worker while units are claimable, so they all join at
         once (best effort: the reconciler keeps one queued from the job table whatever Redis lost)."""
         try:
             with session_scope(self.db_url) as session:
-                claimable = queries.claimable_count(session, self.job_id, time.time())
+                claimable = stream_service.wakeable_units(session, self.job_id, self.settings, time.time())
             wake_idle_workers(self.settings, self.job_id, claimable)
         except Exception as exc:  # noqa: BLE001 - waking others is never worth failing this unit
             log.warning("could not wake more workers for job %s: %s", self.job_id, exc)

@@ -20,6 +20,7 @@ from hsx.jobs.finalize import finalize_if_complete
 from hsx.jobs.queue import wake_idle_workers
 from hsx.layout import parse_staged_shard_name
 from hsx.settings import Settings
+from hsx.streams import service as stream_service
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
             if job is None:
                 continue
             state, output_dir = job.state, job.output_dir
-            claimable = queries.claimable_count(session, job_id, now)
+            claimable = stream_service.wakeable_units(session, job_id, settings, now)
             live = queries.live_lease_count(session, job_id, now)
             leased = {(u.unit_index, u.attempt) for u in queries.leased_units(session, job_id)}
         if (

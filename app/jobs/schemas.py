@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from app.streams.schemas import StreamStatus
 from hsx.job_options import JobOptions
 
 JobStateName = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -118,6 +119,9 @@ class JobOut(BaseModel):
     )
     shards: ShardsPreview
     rejections: dict[str, int] = Field(description="Rejected samples counted by reason.")
+    stream: StreamStatus | None = Field(
+        None, description="A consume job, or one with consumers: buffered bytes, the cap, consumers."
+    )
     created_at: UtcDatetime
     started_at: UtcDatetime | None
     finished_at: UtcDatetime | None

@@ -16,6 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.jobs import admission, schemas
+from app.streams.schemas import StreamStatus
 from hsx import engine_fitness
 from hsx.db.models import Job, JobState, Shard
 from hsx.engine_client import EngineClient, EngineError, EngineUnfit
@@ -28,6 +29,7 @@ from hsx.jobs.finalize import MANIFEST_NAME
 from hsx.jobs.queue import enqueue_wakeups
 from hsx.jobs.repository import LiveCounts
 from hsx.settings import Settings
+from hsx.streams import service as stream_service
 from hsx.validation import RETRIABLE_REASONS
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,9 @@ class JobService:
             )
         key = header_key or body.idempotency_key
         options = body.options.with_unit_size(self.settings.samples_per_shard)
+        if options.retention == "consume" and options.buffer_cap_bytes is None:
+            # Fixed at submission, so a later change of the setting does not move a running job's cap.
+            options = options.model_copy(update={"buffer_cap_bytes": self.settings.stream_buffer_cap_bytes})
         digest = request_hash(body.dataset_uri, options)
         if key:
             existing = repo.get_job_by_idempotency_key(self.session, key)
@@ -68,6 +73,12 @@ class JobService:
         # by a worker. A local dataset is vetted and its head read; a remote one is checked without transfer.
         dataset_path = inspect_dataset(body.dataset_uri, self.settings).dataset_path
         self._check_engine(options)
+        if options.retention == "consume" and self.settings.output_uri:
+            raise BadRequest(
+                "retention=consume is not published to HSX_OUTPUT_URI (publication is at finalize, and "
+                "consumed shards are gone by then); stream it, or submit with retention=keep",
+                error="consume_not_published",
+            )
         job_id = str(uuid.uuid4())
         job = Job(
             id=job_id,
@@ -289,10 +300,15 @@ class JobService:
                 total=first.total, items=_shards_out(first.items), href=f"/jobs/{job.id}/shards"
             ),
             rejections=queries.rejection_counts(self.session, job.id),
+            stream=self.stream(job),
             created_at=job.created_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
         )
+
+    def stream(self, job: Job) -> StreamStatus | None:
+        found = stream_service.status(self.session, job, self.settings, time.time())
+        return None if found is None else StreamStatus.model_validate(found, from_attributes=True)
 
     def summary(self, job: Job) -> schemas.JobSummary:
         return schemas.JobSummary(
