@@ -116,7 +116,7 @@ class SpecForgePublisher:
         while True:
             doc = self._call("GET", "")
             if doc["state"] in ("failed", "cancelled"):
-                return f"hsx job {self.job_id} {doc['state']}: {doc.get('error') or ''}".strip()
+                return _broken(self.job_id, doc["state"], doc.get("error"))
             if doc.get("engine"):
                 return manifest_for(self.job_id, doc["engine"]), doc["engine"]
             if self.should_stop():
@@ -177,9 +177,9 @@ class SpecForgePublisher:
             elif in_flight < max(self.window, self.channel.quantum()) and not self.should_stop():
                 answer = self._call("POST", f"/consumers/{self.consumer_id}/leases", {"max_items": 1})
                 if answer["job_state"] in ("failed", "cancelled"):
-                    reason = f"hsx job {self.job_id} {answer['job_state']}: {answer.get('error') or ''}"
-                    self.channel.fail(reason.strip())
-                    result.outcome, result.reason = "failed", reason.strip()
+                    reason = _broken(self.job_id, answer["job_state"], answer.get("error"))
+                    self.channel.fail(reason)
+                    result.outcome, result.reason = "failed", reason
                     return
                 for item in answer["items"]:
                     result.published += self._publish_item(item, manifest, bf16, meta)
@@ -189,10 +189,25 @@ class SpecForgePublisher:
                         self.channel.close()
                 if answer["items"]:
                     continue
+            elif not leased_all:
+                # The window is full, so no lease call would tell us the job broke: ask it.
+                ended = self._ended()
+                if ended is not None:
+                    self.channel.fail(ended)
+                    result.outcome, result.reason = "failed", ended
+                    return
             if self.should_stop():
                 result.outcome, result.reason = "stopped", "publisher asked to stop"
                 return
             time.sleep(self.poll_seconds)
+
+    def _ended(self) -> str | None:
+        doc = self._call("GET", "")
+        return (
+            _broken(self.job_id, doc["state"], doc.get("error"))
+            if doc["state"] in ("failed", "cancelled")
+            else None
+        )
 
     def _publish_item(
         self, item: dict[str, Any], manifest: Manifest, bf16: bool, meta: dict[str, Any]
@@ -259,3 +274,8 @@ class SpecForgePublisher:
             log.warning("could not close hsx consumer %s: %s", self.consumer_id, exc)
         finally:
             self._http.close()
+
+
+def _broken(job_id: str, state: str, error: str | None) -> str:
+    """The reason the trainer raises with: SpecForge puts it in its "producer failed" error."""
+    return f"hsx job {job_id} {state}: {error or 'no reason given'}"
