@@ -15,9 +15,26 @@ def add_publish_arguments(parser: argparse.ArgumentParser, api_url: str) -> None
     parser.add_argument("job_id")
     parser.add_argument("--channel", required=True, type=Path, help="the StreamingRefChannel file (shared)")
     parser.add_argument(
-        "--store-root", required=True, type=Path, help="SharedDirFeatureStore root (shared with the trainer)"
+        "--backend",
+        choices=["shared_dir", "mooncake"],
+        default="shared_dir",
+        help="SpecForge's DISAGG_BACKEND: a shared directory, or a Mooncake store (cross-node)",
     )
-    parser.add_argument("--store-id", help="SharedDirFeatureStore store_id (default: the job id)")
+    parser.add_argument("--store-root", type=Path, help="shared_dir: SharedDirFeatureStore root (shared)")
+    parser.add_argument("--store-id", help="the trainer's store_id (DISAGG_STORE_ID; default: the job id)")
+    parser.add_argument("--mooncake-master", help="mooncake: the master's host:port")
+    parser.add_argument(
+        "--mooncake-metadata", help="mooncake: the metadata server, http://host:port/metadata"
+    )
+    parser.add_argument(
+        "--mooncake-host", default="127.0.0.1", help="mooncake: this host, as others reach it"
+    )
+    parser.add_argument(
+        "--mooncake-segment-bytes",
+        type=int,
+        default=1 << 30,
+        help="mooncake: memory this publisher lends the store (holds what is published but not consumed)",
+    )
     parser.add_argument(
         "--window",
         type=int,
@@ -33,16 +50,35 @@ def add_publish_arguments(parser: argparse.ArgumentParser, api_url: str) -> None
 def run_publish_command(args: argparse.Namespace, token: str | None) -> int:
     from hsx.streams.specforge_publisher import PublishError, SpecForgePublisher
 
+    store_id = args.store_id or args.job_id
+    sink = None
+    if args.backend == "mooncake":
+        if not (args.mooncake_master and args.mooncake_metadata):
+            print("hsx publish: --backend mooncake needs --mooncake-master and --mooncake-metadata")
+            return 2
+        from hsx.streams.specforge_mooncake import MooncakeFeatures, MooncakeSetup
+
+        setup = MooncakeSetup(
+            master=args.mooncake_master,
+            metadata_server=args.mooncake_metadata,
+            local_hostname=args.mooncake_host,
+            segment_bytes=args.mooncake_segment_bytes,
+        )
+        sink = MooncakeFeatures(setup, store_id)
+    elif args.store_root is None:
+        print("hsx publish: --backend shared_dir needs --store-root")
+        return 2
     publisher = SpecForgePublisher(
         api_url=args.api_url,
         job_id=args.job_id,
         channel_path=args.channel,
-        store_root=args.store_root,
-        store_id=args.store_id or args.job_id,
+        store_root=args.store_root or Path("."),
+        store_id=store_id,
         token=token,
         window=args.window,
         lease_seconds=args.lease_seconds,
         poll_seconds=args.poll_seconds,
+        sink=sink,
     )
     try:
         result = publisher.run()

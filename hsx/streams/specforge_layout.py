@@ -21,7 +21,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -32,6 +32,7 @@ from hsx.torch_data import sample_item
 SCHEMA_VERSION = 1  # specforge.runtime.contracts.SCHEMA_VERSION in 0.2.0
 GENERATION = 1  # hsx writes each sample once; a rewrite after a crash is of a sample no ref names yet
 TARGET_REPR = "hidden_state"
+EAGLE3_FEATURES = ("input_ids", "loss_mask", "attention_mask", "hidden_state", "target")
 
 # StreamingRefChannel's sidecars (suffixes of the channel's path).
 CONSUMED = ".consumed_count"
@@ -93,6 +94,13 @@ class FeatureDir:
         os.replace(tmp, final)
         return final
 
+    def uri(self, sid: str) -> str:
+        return f"disagg://{self.store_id}/{sid}"
+
+    def exists(self, sid: str) -> bool:
+        """False once the trainer's store has released (deleted) the sample."""
+        return self.path(sid).exists()
+
     def remove(self, sid: str) -> None:
         """After the trainer is done with a sample: its file, if the trainer left it (a retaining store)."""
         for path in self.root.glob(f"{sid}.g*.ckpt"):
@@ -101,9 +109,29 @@ class FeatureDir:
     def sync(self) -> None:
         fsync_dir(self.root)
 
+    def close(self) -> None:
+        pass
+
+
+class FeatureSink(Protocol):
+    """Where the publisher puts a sample's features: a shared directory, or Mooncake
+    (:mod:`hsx.streams.specforge_mooncake`)."""
+
+    def write(self, sid: str, tensors: dict[str, torch.Tensor]) -> Any: ...
+
+    def uri(self, sid: str) -> str: ...
+
+    def exists(self, sid: str) -> bool: ...
+
+    def remove(self, sid: str) -> None: ...
+
+    def sync(self) -> None: ...
+
+    def close(self) -> None: ...
+
 
 def sample_ref(
-    sid: str, features: FeatureDir, tensors: dict[str, torch.Tensor], run_id: str, metadata: dict[str, Any]
+    sid: str, features: FeatureSink, tensors: dict[str, torch.Tensor], run_id: str, metadata: dict[str, Any]
 ) -> dict[str, Any]:
     """A SampleRef record as SpecForge's ref_from_dict reads it (every field named, so none is guessed)."""
     specs: dict[str, dict[str, Any]] = {
@@ -122,7 +150,7 @@ def sample_ref(
         "sample_id": sid,
         "run_id": run_id,
         "source_task_id": None,
-        "feature_store_uri": f"disagg://{features.store_id}/{sid}",
+        "feature_store_uri": features.uri(sid),
         "feature_keys": {name: f"{sid}/{name}" for name in tensors},
         "feature_specs": specs,
         "strategy": "eagle3",
@@ -137,7 +165,7 @@ def sample_ref(
             "run_id": run_id,
             "strategy": "eagle3",
             "target_repr": TARGET_REPR,
-            # SharedDirFeatureStore.get reads the file of exactly this generation.
+            # SharedDirFeatureStore.get reads the file of exactly this generation (Mooncake: these keys).
             "generation": GENERATION,
         },
     }

@@ -72,12 +72,14 @@ class SpecForgePublisher:
     timeout: float = 60.0
     name: str = "specforge-publisher"
     should_stop: Callable[[], bool] = field(default=lambda: False)
+    # Where features go; default: SharedDirFeatureStore's layout under store_root/store_id.
+    sink: layout.FeatureSink | None = None
 
     def __post_init__(self) -> None:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self._http = httpx.Client(base_url=self.api_url.rstrip("/"), headers=headers, timeout=self.timeout)
         self.channel = layout.RefChannel(self.channel_path)
-        self.features = layout.FeatureDir(self.store_root, self.store_id)
+        self.features = self.sink or layout.FeatureDir(self.store_root, self.store_id)
         self.position = {ref["sample_id"]: n for n, ref in enumerate(self.channel.refs)}
         self.held: dict[int, HeldItem] = {}
         self.consumer_id = ""
@@ -218,10 +220,14 @@ class SpecForgePublisher:
             return 0
         refs: list[dict[str, Any]] = []
         sample_ids: list[str] = []
+        consumed = self.channel.consumed()
         for sample in item_samples(item, manifest, self.verify_checksums, raw_bf16=bf16):
             sid = layout.sample_id(self.job_id, sample.index)
             sample_ids.append(sid)
             if sid in self.position:  # published before a restart
+                if self.position[sid] >= consumed and not self.features.exists(sid):
+                    # Mooncake: the objects went with the old publisher's memory segment; put them again.
+                    self.features.write(sid, layout.eagle3_tensors(sample, bf16))
                 continue
             tensors = layout.eagle3_tensors(sample, bf16)
             self.features.write(sid, tensors)
@@ -237,7 +243,7 @@ class SpecForgePublisher:
 
     def _done_with(self, sid: str, consumed: int) -> bool:
         """The trainer has counted the sample consumed, or released (deleted) its features."""
-        return self.position[sid] < consumed or not self.features.path(sid).exists()
+        return self.position[sid] < consumed or not self.features.exists(sid)
 
     def _settle(self, consumed: int) -> int:
         """Acknowledge the held shards the trainer is done with; returns how many hsx took."""
@@ -274,6 +280,7 @@ class SpecForgePublisher:
             log.warning("could not close hsx consumer %s: %s", self.consumer_id, exc)
         finally:
             self._http.close()
+            self.features.close()
 
 
 def _broken(job_id: str, state: str, error: str | None) -> str:
