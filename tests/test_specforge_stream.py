@@ -11,7 +11,10 @@ unit at a time: the job only finishes because SpecForge's consumed counter lets 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -28,13 +31,29 @@ from tests.fixtures.synthetic import write_pretokenized
 pytest.importorskip("specforge.runtime.data_plane.streaming_ref_channel")
 
 postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+
+
+def _mooncake_missing() -> str | None:
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"Mooncake is not importable here ({exc}): pip install mooncake-transfer-engine-non-cuda; even "
+            "on TCP it needs libibverbs.so.1 and libnl-3 (docs/streaming.md)"
+        )
+    return None
+
+
+MOONCAKE_MISSING = _mooncake_missing()
 STORE_ID = "hsx-stream"
 
 
 class PublisherThread:
     """The publisher as ``hsx publish specforge`` runs it, in a thread of the test."""
 
-    def __init__(self, api: str, job_id: str, tmp: Path, window: int, stop_after: int | None = None) -> None:
+    def __init__(
+        self, api: str, job_id: str, tmp: Path, window: int, stop_after: int | None = None, sink: Any = None
+    ) -> None:
         from hsx.streams.specforge_publisher import SpecForgePublisher
 
         self.publisher = SpecForgePublisher(
@@ -49,6 +68,7 @@ class PublisherThread:
             should_stop=(lambda: False)
             if stop_after is None
             else (lambda: self.publisher.channel.published >= stop_after),
+            sink=sink,
         )
         self.result: Any = None
         self.error: BaseException | None = None
@@ -100,7 +120,7 @@ class HsxShards:
             self.read.add(entry["path"])
 
 
-def specforge_loader(tmp: Path, idle_timeout: float = 180) -> Any:
+def specforge_loader(tmp: Path, idle_timeout: float = 180, store: Any = None) -> Any:
     """SpecForge's trainer-side stack, as its disaggregated consumer builds it, pointed at our files."""
     from specforge.algorithms.eagle3.providers import algorithm_providers
     from specforge.runtime.data_plane.disaggregated import SharedDirFeatureStore
@@ -109,13 +129,60 @@ def specforge_loader(tmp: Path, idle_timeout: float = 180) -> Any:
 
     channel = StreamingRefChannel(str(tmp / "control" / "refs.jsonl"))
     queue = StreamingRefQueue(channel, poll_s=0.05, idle_timeout_s=idle_timeout)
-    store = SharedDirFeatureStore(str(tmp / "features"), store_id=STORE_ID)  # release frees the file
+    if store is None:
+        store = SharedDirFeatureStore(str(tmp / "features"), store_id=STORE_ID)  # release frees the file
     collate = algorithm_providers().server_streaming_for("text").build_collator()
     return FeatureDataLoader(store, queue, batch_size=1, collate_fn=collate, strategy="eagle3"), channel
 
 
 def records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def mooncake_master(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A real mooncake_master on loopback ports, its HTTP metadata server inside (no etcd)."""
+    import mooncake
+
+    from hsx.local_stack import free_port
+
+    binary = Path(mooncake.__file__).parent / "mooncake_master"
+    rpc, http, metrics = free_port(), free_port(), free_port()
+    with open(tmp_path / "mooncake-master.log", "wb") as log:
+        proc = subprocess.Popen(
+            [
+                str(binary),
+                f"--rpc_port={rpc}",
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={http}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={metrics}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, (tmp_path / "mooncake-master.log").read_text(errors="replace")[-2000:]
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", http), timeout=1):
+                break
+            assert time.monotonic() < deadline, "mooncake_master did not start"
+            time.sleep(0.2)
+        kw = {
+            "local_hostname": "127.0.0.1",
+            "metadata_server": f"http://127.0.0.1:{http}/metadata",
+            "master_server_addr": f"127.0.0.1:{rpc}",
+            "global_segment_size": 64 << 20,
+            "local_buffer_size": 64 << 20,
+            "protocol": "tcp",
+            "rdma_devices": "",
+        }
+        yield kw
+    finally:
+        proc.terminate()
+        proc.wait(15)
 
 
 @pytest.fixture
@@ -127,16 +194,35 @@ def api(stack: Stack) -> Iterator[str]:
 
 
 @postgres_only
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "shared_dir",
+        pytest.param(
+            "mooncake", marks=pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=str(MOONCAKE_MISSING))
+        ),
+    ],
+)
 def test_specforge_reads_a_running_job_with_every_tensor_as_hsx_wrote_it(
-    stack: Stack, api: str, tmp_path: Path
+    stack: Stack, api: str, tmp_path: Path, backend: str, request: pytest.FixtureRequest
 ) -> None:
     from specforge.algorithms.eagle3.providers import algorithm_spec
 
+    sink = store = None
+    if backend == "mooncake":
+        from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
+
+        from hsx.streams.specforge_mooncake import MooncakeFeatures, MooncakeSetup
+
+        kw = request.getfixturevalue("mooncake_master")
+        setup = MooncakeSetup(kw["master_server_addr"], kw["metadata_server"], segment_bytes=64 << 20)
+        sink = MooncakeFeatures(setup, STORE_ID)
+        store = MooncakeFeatureStore(store_id=STORE_ID, setup_kwargs=kw)  # SpecForge's own client
     data = write_pretokenized(tmp_path / "d.jsonl", [24, 31, 17, 40, 24, 29])
     job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=1)["id"]
     stack.start_worker()
-    publisher = PublisherThread(api, job_id, tmp_path, window=2)
-    loader, _ = specforge_loader(tmp_path)
+    publisher = PublisherThread(api, job_id, tmp_path, window=2, sink=sink)
+    loader, _ = specforge_loader(tmp_path, store=store)
     required = next(
         c.required_tensors for c in algorithm_spec().feature_contracts if c.mode.value == "streaming"
     )
@@ -182,7 +268,8 @@ def test_specforge_reads_a_running_job_with_every_tensor_as_hsx_wrote_it(
     doc = stack.wait(job_id)
     assert doc["state"] == "succeeded", (doc, stack.logs())
     assert doc["stream"]["items_acked"] == 3 and doc["stream"]["buffered_bytes"] == 0, doc["stream"]
-    assert not list((tmp_path / "features" / STORE_ID).glob("*.ckpt"))  # released by SpecForge's store
+    if backend == "shared_dir":
+        assert not list((tmp_path / "features" / STORE_ID).glob("*.ckpt"))  # released by SpecForge's store
     assert not list(Path(doc["output_dir"]).glob("shard-*.safetensors"))  # acknowledged, so deleted
     assert (tmp_path / "control" / "refs.jsonl.closed").exists()
 
