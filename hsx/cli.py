@@ -261,7 +261,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-BENCHES = ("pipeline", "e2e", "memory", "api", "scale")
+BENCHES = ("pipeline", "e2e", "memory", "api", "scale", "stream")
 
 
 def cmd_bench(argv: list[str]) -> int:

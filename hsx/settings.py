@@ -132,6 +132,9 @@ class Settings(BaseSettings):
     # an item it leased without acknowledging it before the item goes to another consumer.
     stream_buffer_cap_bytes: int = 8 << 30
     stream_lease_seconds: float = 300.0
+    # A worker that finds a consume job at its cap waits this long for an acknowledgement (blocking on
+    # Redis) before it leaves the job to the queue's wake-up; 0 leaves at once.
+    stream_room_wait_seconds: float = 10.0
     # Logs: "json" (one object a line) or "text" (key=value); both carry job, unit, attempt and rid.
     log_format: Literal["json", "text"] = "text"
     log_level: str = "INFO"

@@ -34,11 +34,11 @@ def synth(
         get_settings.cache_clear()
 
 
-def run_worker(url: str, job_id: str) -> Any:
+def run_worker(url: str, job_id: str, wait: float = 0) -> Any:
     from hsx.settings import get_settings
     from workers.job_runner import JobRunner
 
-    settings = get_settings().model_copy(update={"engine_url": url})
+    settings = get_settings().model_copy(update={"engine_url": url, "stream_room_wait_seconds": wait})
     return JobRunner(job_id, settings).run()
 
 
@@ -208,3 +208,31 @@ def test_stream_requests_that_cannot_be_served_get_a_reason(synth: tuple[Stack, 
     assert late.status_code == 409 and late.json()["error"] == "job_not_streamable"
     assert stack.client.delete(f"/jobs/{job_id}/consumers/{reader}").status_code == 204
     assert stack.client.get(f"/jobs/{job_id}/consumers").json()["items"] == []
+
+
+def test_a_worker_at_the_cap_blocks_until_an_acknowledgement_then_goes_on(
+    synth: tuple[Stack, Synthetic],
+) -> None:
+    import threading
+
+    stack, engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 3)
+    job_id = stack.submit(data, samples_per_shard=1, retention="consume", buffer_cap_bytes=1)["id"]
+    reader = consumer(stack, job_id)
+    outcome: list[Any] = []
+    worker = threading.Thread(target=lambda: outcome.append(run_worker(engine.url, job_id, wait=30)))
+    started = time.monotonic()
+    worker.start()
+    acked = 0
+    while acked < 3 and time.monotonic() - started < 60:
+        items = lease(stack, job_id, reader)["items"]
+        if items:
+            time.sleep(0.3)  # the worker is held at the cap meanwhile
+            assert stack.job(job_id)["stream"]["in_flight_bytes"] == 0
+            acked += len(ack(stack, job_id, reader, items)["acked"])
+        else:
+            time.sleep(0.05)
+    worker.join(30)
+    # One wake-up, three units: the worker waited at the cap twice and went on at each acknowledgement.
+    assert acked == 3 and outcome and "no unit left" in outcome[0].summary, outcome
+    assert stack.job(job_id)["state"] == "succeeded"

@@ -33,6 +33,7 @@ from hsx.db.models import Job, JobState
 from hsx.db.session import retry_db, session_scope
 from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
 from hsx.faults import crash_point
+from hsx.ingest import DatasetError, UnitRange, read_unit_records
 from hsx.jobs import engines as job_engines
 from hsx.jobs import recovery
 from hsx.jobs import repository as repo
@@ -42,11 +43,10 @@ from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
-from workers.dataset import DatasetError
+from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
 from workers.lease import LeaseKeeper
-from workers.records import UnitRange, read_unit_records
 from workers.shards import ShardWriteError
 from workers.unit_commit import commit_unit, staged_path
 from workers.unit_processor import TRUNCATE, UnitAborted, UnitProcessor, UnitResult
@@ -293,6 +293,8 @@ class JobRunner:
                 return Outcome(f"stopping after {done_here} unit(s)", True)
             unit = retry_db(lambda: self._claim())
             if isinstance(unit, ClaimWait):
+                if wait_for_room(self.settings, self.job_id, self.settings.stream_room_wait_seconds):
+                    continue
                 # No wake-up is queued: the acknowledgement that makes room wakes a worker (backpressure).
                 return Outcome(f"{done_here} unit(s); waiting for consumers under the byte cap", False)
             if unit is None:

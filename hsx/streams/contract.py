@@ -29,7 +29,11 @@ class Budget:
         return self.leased_units * self.unit_bytes
 
     def may_claim(self) -> bool:
-        """One more unit fits under the cap; with nothing buffered and nothing in flight a unit is always
-        allowed, so a cap smaller than one unit slows the job down to one unit at a time, never stops it."""
-        held = self.buffered_bytes + self.in_flight_bytes
-        return held == 0 or held + self.unit_bytes <= self.cap_bytes
+        """One more unit fits under the cap. With nothing buffered and nothing in flight a unit is always
+        allowed, so a cap smaller than one unit slows the job down to one unit at a time, never stops it;
+        while a unit's size is unknown (no projection, no shard yet) only that one goes."""
+        if self.buffered_bytes == 0 and self.leased_units == 0:
+            return True
+        if self.unit_bytes <= 0:
+            return False
+        return self.buffered_bytes + self.in_flight_bytes + self.unit_bytes <= self.cap_bytes

@@ -255,9 +255,16 @@ def live_unit_leases(session: Session, job_id: str, now: float) -> int:
 
 
 def lock_job(session: Session, job_id: str) -> Job | None:
-    """The job row, locked for this transaction (PostgreSQL): claims of one consume job are decided one at
-    a time, so two workers cannot both take the last room under the cap."""
-    return session.scalars(select(Job).where(Job.id == job_id).with_for_update()).first()
+    """The job row, locked for this transaction, so claims of one consume job are decided one at a time
+    and two workers cannot both take the last room under the cap. A no-op UPDATE rather than SELECT FOR
+    UPDATE: on SQLite it takes the database's write lock (and a fresh snapshot) as well."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(updated_at=Job.updated_at)
+        .execution_options(synchronize_session=False)
+    )
+    return session.get(Job, job_id, populate_existing=True)
 
 
 def consumer_leases(session: Session, job_id: str, now: float) -> dict[str, tuple[int, int]]:

@@ -22,6 +22,7 @@ from hsx.streams import repository as repo
 from hsx.streams.contract import CONSUME, Budget, retention_of
 from hsx.streams.models import StreamConsumer
 from hsx.streams.repository import LeasedItem
+from hsx.streams.room import signal_room
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,7 @@ class StreamService:
         if retention_of(job.options) == CONSUME:
             answer.deleted = delete_acknowledged(self.session, job_id)
             if answer.acked and job.state == JobState.running.value:
+                signal_room(self.settings, job_id, len(answer.acked))
                 wake_workers(self.settings, self.session, job_id)
         return answer
 
