@@ -15,6 +15,7 @@ import contextlib
 import json
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from tests.fixtures.live_server import serve_in_thread
-from tests.fixtures.stack import TEST_TOKEN, Stack
+from tests.fixtures.stack import REPO, TEST_TOKEN, Stack
 from tests.fixtures.synthetic import write_pretokenized
 
 pytest.importorskip("specforge.runtime.data_plane.streaming_ref_channel")
@@ -294,22 +295,40 @@ def test_a_cancelled_job_reaches_the_trainer_as_a_producer_failure(
     assert result.outcome == "failed" and "cancelled" in result.reason
 
 
+def publish_command(api: str, job_id: str, tmp: Path) -> list[str]:
+    return [
+        *[sys.executable, "-m", "hsx.cli", "publish", "specforge", job_id],
+        *["--channel", str(tmp / "control" / "refs.jsonl"), "--store-root", str(tmp / "features")],
+        *["--store-id", STORE_ID, "--window", "2", "--api-url", api, "--poll-seconds", "0.1"],
+    ]
+
+
 @postgres_only
-def test_a_restarted_publisher_continues_the_channel_with_nothing_twice(
+def test_a_publisher_killed_mid_append_is_restarted_with_nothing_lost_or_twice(
     stack: Stack, api: str, tmp_path: Path
 ) -> None:
     data = write_pretokenized(tmp_path / "d.jsonl", [20] * 6)
     job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=1)["id"]
     stack.start_worker()
-    # The first publisher stops after its first shard, holding it leased and unconsumed.
-    first = PublisherThread(api, job_id, tmp_path, window=2, stop_after=2)
-    assert first.join().outcome == "stopped"
-    second = PublisherThread(api, job_id, tmp_path, window=2)
+    refs_file = tmp_path / "control" / "refs.jsonl"
+    first = subprocess.Popen(publish_command(api, job_id, tmp_path), cwd=REPO)
+    deadline = time.monotonic() + 240
+    while not refs_file.exists() or len(records(refs_file)) < 2:
+        assert first.poll() is None and time.monotonic() < deadline, stack.logs()
+        time.sleep(0.2)
+    first.kill()  # SIGKILL, holding its shard leased for an hour
+    first.wait()
+    with refs_file.open("a") as fh:  # and as if it died halfway through appending the next ref
+        fh.write('{"sample_id":"' + job_id + ":000000")
+    second = subprocess.Popen(
+        publish_command(api, job_id, tmp_path), cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     loader, _ = specforge_loader(tmp_path)
     seen = [int(batch.sample_ids[0].rsplit(":", 1)[1]) for batch in loader]
-    result = second.join()
-    assert seen == list(range(6)), seen  # the first shard's refs are not published again
-    assert result.outcome == "closed" and result.published == 4, result
-    refs = records(tmp_path / "control" / "refs.jsonl")
+    out, _ = second.communicate(timeout=120)
+    assert seen == list(range(6)), seen  # the first shard's refs are not published again, none lost
+    assert second.returncode == 0 and "closed; 4 refs published, 3 shards acknowledged" in out, out
+    refs = records(refs_file)
     assert [r["sample_id"] for r in refs] == [f"{job_id}:{i:08d}" for i in range(6)]
-    assert stack.wait(job_id)["state"] == "succeeded"
+    doc = stack.wait(job_id)
+    assert doc["state"] == "succeeded" and doc["stream"]["items_acked"] == 3, doc
