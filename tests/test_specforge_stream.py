@@ -332,3 +332,52 @@ def test_a_publisher_killed_mid_append_is_restarted_with_nothing_lost_or_twice(
     assert [r["sample_id"] for r in refs] == [f"{job_id}:{i:08d}" for i in range(6)]
     doc = stack.wait(job_id)
     assert doc["state"] == "succeeded" and doc["stream"]["items_acked"] == 3, doc
+
+
+def test_our_channel_and_files_are_what_specforge_reads_and_we_read_its_sidecars(tmp_path: Path) -> None:
+    """No stack: hsx's writer of the layout against SpecForge's own channel and store, both directions."""
+    from specforge.runtime.contracts import SampleRef
+    from specforge.runtime.data_plane.disaggregated import SharedDirFeatureStore
+    from specforge.runtime.data_plane.streaming_ref_channel import StreamingRefChannel
+
+    from hsx.streams import specforge_layout as layout
+
+    ours = layout.RefChannel(tmp_path / "refs.jsonl")
+    features = layout.FeatureDir(tmp_path / "features", STORE_ID)
+    tensors = {
+        "input_ids": torch.arange(5).unsqueeze(0),
+        "loss_mask": torch.tensor([[0, 0, 1, 1, 1]]),
+        "attention_mask": torch.ones(1, 5, dtype=torch.int64),
+        "hidden_state": torch.randn(1, 5, 12).to(torch.bfloat16),
+        "target": torch.randn(1, 5, 4).to(torch.bfloat16),
+    }
+    features.write("job:00000000", tensors)
+    ours.publish([layout.sample_ref("job:00000000", features, tensors, "job", {"hsx_job": "job"})])
+
+    theirs = StreamingRefChannel(str(tmp_path / "refs.jsonl"))
+    (ref,) = theirs.poll()
+    assert isinstance(ref, SampleRef) and ref.feature_specs["target"].target_repr == "hidden_state"
+    assert ref.feature_specs["hidden_state"].shape == (1, 5, 12) and ref.num_tokens == 5
+    store = SharedDirFeatureStore(str(tmp_path / "features"), store_id=STORE_ID)
+    got, handle = store.get(ref)
+    assert all(torch.equal(got[name], tensors[name]) for name in tensors)
+    store.release(handle)
+    assert not features.exists("job:00000000")  # a non-retaining store frees the file: we see it gone
+
+    # The trainer's sidecars, written by SpecForge, read by us; ours read by SpecForge.
+    assert (ours.consumed(), ours.quantum(), ours.consumer_stopped()) == (0, 0, None)
+    theirs.mark_consumed(1)
+    theirs.publish_consumer_quantum(8)
+    assert (ours.consumed(), ours.quantum()) == (1, 8)
+    theirs.mark_consumer_failed("OOM at step 3")
+    assert ours.consumer_stopped() == "trainer failed: OOM at step 3"
+    assert theirs.failure() is None and not theirs.is_closed()
+    ours.fail("hsx job j cancelled: by request")
+    ours.close()
+    assert theirs.failure() == "hsx job j cancelled: by request" and theirs.is_closed()
+
+    # A torn last line (a crash mid-append) is cut when the channel is opened again, and only then.
+    with (tmp_path / "refs.jsonl").open("a") as fh:
+        fh.write('{"sample_id": "job:0000')
+    assert layout.RefChannel(tmp_path / "refs.jsonl").published == 1
+    assert (tmp_path / "refs.jsonl").read_text().endswith("}\n")
