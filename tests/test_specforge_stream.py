@@ -295,6 +295,28 @@ def test_a_cancelled_job_reaches_the_trainer_as_a_producer_failure(
     assert result.outcome == "failed" and "cancelled" in result.reason
 
 
+@postgres_only
+def test_a_failed_trainer_stops_the_publisher_and_its_shards_go_back(
+    stack: Stack, api: str, tmp_path: Path
+) -> None:
+    from specforge.runtime.data_plane.streaming_ref_channel import StreamingRefChannel
+
+    data = write_pretokenized(tmp_path / "d.jsonl", [20] * 4)
+    job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=1)["id"]
+    stack.start_worker()
+    publisher = PublisherThread(api, job_id, tmp_path, window=2)
+    loader, channel = specforge_loader(tmp_path)
+    first = next(iter(loader))  # read, never acknowledged: the trainer dies before its optimizer step
+    assert first.sample_ids == [f"{job_id}:00000000"]
+    StreamingRefChannel(channel.path).mark_consumer_failed("RuntimeError: CUDA out of memory")
+    result = publisher.join()
+    assert result.outcome == "trainer_failed" and "CUDA out of memory" in result.reason, result
+    doc = stack.job(job_id)
+    assert doc["stream"]["consumers"] == [] and doc["stream"]["items_acked"] == 0, doc["stream"]
+    # Nothing unacknowledged is deleted: the first shard is still there for the next trainer.
+    assert (Path(doc["output_dir"]) / "shard-00000.safetensors").exists()
+
+
 def publish_command(api: str, job_id: str, tmp: Path) -> list[str]:
     return [
         *[sys.executable, "-m", "hsx.cli", "publish", "specforge", job_id],
