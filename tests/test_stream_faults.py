@@ -165,6 +165,8 @@ def test_a_consumer_that_never_returns_holds_the_job_and_nothing_unacknowledged_
                 break
             time.sleep(0.2)
         time.sleep(3)  # longer than a worker waits for room: it gave the job up, and nothing polls it
+        doc = stack.job(job_id)
+        time.sleep(3)
         later = stack.job(job_id)
         os.killpg(hung.pid, signal.SIGKILL)
         hung.wait()

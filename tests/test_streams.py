@@ -147,6 +147,9 @@ def test_a_lease_that_runs_out_goes_to_another_consumer_and_the_old_ack_is_refus
     assert [i["delivery"] for i in first] == [1]
     taken = lease(stack, job_id, fast, max_items=10)["items"]
     assert [i["unit_index"] for i in taken] == [1]  # the other is still leased
+    # The job has succeeded, but a shard another reader holds keeps the stream open for this one.
+    waiting = lease(stack, job_id, fast)
+    assert waiting["items"] == [] and waiting["end_of_stream"] is False, waiting
     time.sleep(0.7)
     again = lease(stack, job_id, fast, max_items=10)["items"]
     assert [(i["id"], i["delivery"]) for i in again] == [(first[0]["id"], 2)]

@@ -24,6 +24,7 @@ def consumer_out(
         id=consumer.id,
         job_id=consumer.job_id,
         name=consumer.name,
+        group=consumer.group_name,
         lease_seconds=consumer.lease_seconds,
         leased_items=items,
         leased_bytes=nbytes,
@@ -43,7 +44,7 @@ def consumer_out(
 def register_consumer(
     job_id: str, body: schemas.ConsumerCreate, response: Response, session: SessionDep, settings: SettingsDep
 ) -> schemas.ConsumerOut:
-    consumer = StreamService(session, settings).register(job_id, body.name, body.lease_seconds)
+    consumer = StreamService(session, settings).register(job_id, body.name, body.lease_seconds, body.group)
     response.headers["Location"] = f"/jobs/{job_id}/consumers/{consumer.id}"
     document_cache(settings).forget(job_id)
     return consumer_out(consumer, {}, time.time())

@@ -9,6 +9,13 @@ class ConsumerCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field("consumer", min_length=1, max_length=200, description="Shown on the job: rank, host.")
+    group: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="One trainer's consumers (every rank and DataLoader worker) share a group; the stream "
+        "ends for them once every shard is acknowledged or leased within it. Default: a group of its own.",
+    )
     lease_seconds: float | None = Field(
         None,
         gt=0,
@@ -22,6 +29,7 @@ class ConsumerOut(BaseModel):
     id: str
     job_id: str
     name: str
+    group: str
     lease_seconds: float
     leased_items: int = Field(description="Items it holds under a live lease.")
     leased_bytes: int
@@ -57,7 +65,7 @@ class LeaseOut(BaseModel):
     job_state: str
     items: list[LeasedItemOut]
     end_of_stream: bool = Field(
-        description="The job succeeded and every shard is acknowledged or under a live lease: stop reading."
+        description="The job succeeded and every shard is acknowledged or leased to this consumer's group."
     )
     error: str | None = Field(None, description="Why the job failed or was cancelled.")
 

@@ -20,6 +20,9 @@ class StreamConsumer(Base):
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     name: Mapped[str] = mapped_column(String(200))
+    # The reader this consumer is part of (one trainer: all its ranks and DataLoader workers). The stream
+    # ends for a consumer once every shard is acknowledged or leased to its group.
+    group_name: Mapped[str] = mapped_column(String(200))
     # How long an item leased to this consumer stays its own without an acknowledgement.
     lease_seconds: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -281,15 +281,19 @@ def consumer_leases(session: Session, job_id: str, now: float) -> dict[str, tupl
     return {str(c): (int(n), int(b)) for c, n, b in rows}
 
 
-def unacked_unleased(session: Session, job_id: str, now: float) -> int:
-    """Committed shards neither acknowledged nor under a live lease: what a consumer could still get."""
-    live = int(
+def unacked_outside_group(session: Session, job_id: str, group_name: str, now: float) -> int:
+    """Committed shards neither acknowledged nor under a live lease of a consumer of this group: what a
+    consumer of the group may still be handed (now, or once another reader's lease runs out)."""
+    group = select(StreamConsumer.id).where(
+        StreamConsumer.job_id == job_id, StreamConsumer.group_name == group_name
+    )
+    held = int(
         session.scalar(
             select(func.count())
             .select_from(StreamItem)
             .where(
                 StreamItem.job_id == job_id,
-                StreamItem.consumer_id.is_not(None),
+                StreamItem.consumer_id.in_(group),
                 StreamItem.lease_expires >= now,
             )
         )
@@ -304,4 +308,4 @@ def unacked_unleased(session: Session, job_id: str, now: float) -> int:
         )
         or 0
     )
-    return shards - acked - live
+    return shards - acked - held

@@ -74,8 +74,9 @@ def waiting_on_consumers(session: Session, job: Job, settings: Settings, now: fl
 class LeaseAnswer:
     job_state: str
     items: list[LeasedItem]
-    # The job succeeded and every shard is acknowledged or under a live lease: nothing more comes to this
-    # consumer unless a lease runs out (a consumer that died; its items wait for the next reader).
+    # The job succeeded and every shard is acknowledged or leased to this consumer's group (which
+    # acknowledges it after its optimizer step): nothing more comes. A shard another reader holds keeps the
+    # stream open until that reader acknowledges it or its lease runs out and the shard comes here.
     end_of_stream: bool
     error: str | None = None
 
@@ -106,15 +107,19 @@ class StreamService:
             raise NotFound(f"no consumer {consumer_id} of job {job_id}", error="consumer_not_found")
         return consumer
 
-    def register(self, job_id: str, name: str, lease_seconds: float | None) -> StreamConsumer:
+    def register(
+        self, job_id: str, name: str, lease_seconds: float | None, group: str | None = None
+    ) -> StreamConsumer:
         job = self._job(job_id)
         if job.state in (JobState.failed.value, JobState.cancelled.value):
             raise Conflict(f"job is {job.state}: {job.error or ''}".strip(), error="job_not_streamable")
         now = time.time()
+        consumer_id = str(uuid.uuid4())
         consumer = StreamConsumer(
-            id=str(uuid.uuid4()),
+            id=consumer_id,
             job_id=job_id,
             name=name,
+            group_name=group or consumer_id,
             lease_seconds=lease_seconds or self.settings.stream_lease_seconds,
             last_seen=now,
             items_acked=0,
@@ -142,7 +147,7 @@ class StreamService:
         end = (
             not items
             and job.state == JobState.succeeded.value
-            and repo.unacked_unleased(self.session, job_id, now) == 0
+            and repo.unacked_outside_group(self.session, job_id, consumer.group_name, now) == 0
         )
         self.session.commit()
         return LeaseAnswer(job.state, items, end, job.error)

@@ -5,7 +5,8 @@ API hands each shard to one lease holder, so ranks and workers split the job bet
 twice, whatever their number. Samples carry a ``stream_ref``; after ``optimizer.step()`` the training loop
 calls :meth:`JobStream.ack` with the batch, and a shard is acknowledged (and, in ``consume`` retention,
 deleted) once all its samples have been acknowledged. Iteration ends when the job has succeeded and every
-shard is acknowledged or leased; it raises :class:`JobStreamError` when the job failed or was cancelled,
+shard is acknowledged or leased to this stream's group (its DataLoader workers; pass the same ``group`` to
+every rank of a run); it raises :class:`JobStreamError` when the job failed or was cancelled,
 so a trainer never takes a failed job for the end of its data.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -39,6 +41,7 @@ class JobStream(IterableDataset[Item]):
         *,
         token: str | None = None,
         name: str = "trainer",
+        group: str | None = None,
         rank: int | None = None,
         lease_seconds: float | None = None,
         poll_seconds: float = 0.5,
@@ -50,6 +53,9 @@ class JobStream(IterableDataset[Item]):
         self.job_id = job_id
         self.token = token if token is not None else os.environ.get("HSX_API_TOKEN", "")
         self.name = name
+        # Made here, in the process that builds the dataset, so every DataLoader worker shares it; give all
+        # ranks of one run the same group, or a rank ends while another still holds shards.
+        self.group = group or f"{name}-{uuid.uuid4().hex[:12]}"
         self.rank = rank if rank is not None else _distributed_rank()
         self.lease_seconds = lease_seconds
         self.poll_seconds = poll_seconds
@@ -91,7 +97,7 @@ class JobStream(IterableDataset[Item]):
     def __iter__(self) -> Iterator[Item]:
         info = get_worker_info()
         worker = 0 if info is None else info.id
-        body: dict[str, Any] = {"name": f"{self.name}-rank{self.rank}-worker{worker}"}
+        body: dict[str, Any] = {"name": f"{self.name}-rank{self.rank}-worker{worker}", "group": self.group}
         if self.lease_seconds is not None:
             body["lease_seconds"] = self.lease_seconds
         consumer = self._call("POST", "/consumers", body)["id"]

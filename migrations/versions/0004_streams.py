@@ -22,6 +22,7 @@ def upgrade() -> None:
         sa.Column("id", sa.String(length=36), nullable=False),
         sa.Column("job_id", sa.String(length=36), nullable=False),
         sa.Column("name", sa.String(length=200), nullable=False),
+        sa.Column("group_name", sa.String(length=200), nullable=False),
         sa.Column("lease_seconds", sa.Float(), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("last_seen", sa.Float(), nullable=False),
