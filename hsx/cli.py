@@ -292,6 +292,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return run_export_command(args)
 
 
+def cmd_publish(args: argparse.Namespace) -> int:
+    from hsx.streams.specforge_cli import run_publish_command
+
+    return run_publish_command(args, get_settings().token())
+
+
 def build_parser() -> argparse.ArgumentParser:
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="hsx", description=__doc__)
@@ -401,6 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_export_arguments(p)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("publish", help="feed a running job into a trainer's own stream (SpecForge)")
+    from hsx.streams.specforge_cli import add_publish_arguments
+
+    add_publish_arguments(p, settings.api_url)
+    p.set_defaults(func=cmd_publish)
     return parser
 
 
