@@ -63,7 +63,8 @@ def _states(model_dir: Path, prompts: list[list[int]]) -> tuple[dict[str, list[A
 
     config = AutoConfig.from_pretrained(model_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    model = model.to(device).eval()
     layers = config.num_hidden_layers
     indices = contract.hf_indices(contract.eagle3_aux_layer_ids(layers), layers)
     names = [contract.tensor_name(i) for i in indices]
@@ -136,15 +137,15 @@ def _table(label: str, rows: dict[str, dict[str, float]], final: str) -> str:
     lines = [
         f"**{label}**",
         "",
-        "| tensor | cos min | cos p1 | cos median | cos mean | rel L2 max | rel L2 p99 | rel L2 median | rel L2 mean |",
+        "| tensor | cos min | cos p1 | cos median | cos mean "
+        "| rel L2 max | rel L2 p99 | rel L2 median | rel L2 mean |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in rows.items():
         shown = f"{name} (final)" if name == final else f"{name} (aux)"
-        lines.append(
-            f"| {shown} | {s['cos_min']:.6f} | {s['cos_p1']:.6f} | {s['cos_median']:.6f} | {s['cos_mean']:.6f} "
-            f"| {s['rel_l2_max']:.4f} | {s['rel_l2_p99']:.4f} | {s['rel_l2_median']:.4f} | {s['rel_l2_mean']:.4f} |"
-        )
+        cos = [f"{s[k]:.6f}" for k in ("cos_min", "cos_p1", "cos_median", "cos_mean")]
+        rel = [f"{s[k]:.4f}" for k in ("rel_l2_max", "rel_l2_p99", "rel_l2_median", "rel_l2_mean")]
+        lines.append("| " + " | ".join([shown, *cos, *rel]) + " |")
     return "\n".join(lines)
 
 
