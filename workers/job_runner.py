@@ -32,6 +32,7 @@ from hsx.db.models import Job, JobState
 from hsx.db.session import retry_db, session_scope
 from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
 from hsx.faults import crash_point
+from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.jobs import engines as job_engines
 from hsx.jobs import recovery
 from hsx.jobs import repository as repo
@@ -328,6 +329,7 @@ class JobRunner:
             options.get("max_length"),
             str(options.get("truncation", TRUNCATE)),
             self.settings.shard_write_behind_bytes,
+            store_fp8=options.get("state_dtype") == STATE_DTYPE_OPTION,
         )
 
     def _run_unit(

@@ -44,6 +44,11 @@ class JobOptions(BaseModel):
         "is [1, N//2-1, N-4] plus the final post-norm state.",
     )
     samples_per_shard: int = Field(64, ge=1, le=65536)
+    state_dtype: Literal["engine", "fp8_e4m3"] = Field(
+        "engine",
+        description="How the shards store the states: the engine's dtype, or fp8 e4m3 with one float32 "
+        "scale per token per tensor (half the bytes of bf16; schema 3, error bound in docs/format.md).",
+    )
     cache_namespace_per_request: bool = Field(
         True, description="Send each request its own cache namespace (SGLang extra_key) as a second guard."
     )
