@@ -18,6 +18,7 @@ from app.jobs.schemas import ErrorOut
 from hsx import contract, job_stats
 from hsx.errors import NotFound
 from hsx.jobs import repository as repo
+from hsx.layout import split_lease_owner
 
 router = APIRouter(tags=["fleet"])
 
@@ -64,13 +65,6 @@ class EngineOut(BaseModel):
     units_done_last_hour: int
 
 
-def split_owner(owner: str | None) -> tuple[str | None, str | None]:
-    if not owner:
-        return None, None
-    worker, sep, engine = owner.rpartition("@")
-    return (worker, engine) if sep else (owner, None)
-
-
 @router.get("/jobs/{job_id}/units", response_model=UnitPage, responses=ERRORS)
 def job_units(job_id: str, session: SessionDep) -> UnitPage:
     if "\x00" in job_id or len(job_id) > 36 or repo.get_job(session, job_id) is None:
@@ -78,7 +72,7 @@ def job_units(job_id: str, session: SessionDep) -> UnitPage:
     now = time.time()
     items: list[UnitOut] = []
     for u in job_stats.units_of(session, job_id):
-        worker, engine = split_owner(u.lease_owner)
+        worker, engine = split_lease_owner(u.lease_owner)
         live = u.state == "leased" and u.lease_expires is not None and u.lease_expires >= now
         items.append(
             UnitOut(
@@ -107,7 +101,7 @@ def workers(session: SessionDep) -> list[WorkerOut]:
     """Workers busy now: those holding a live lease, with the units they hold."""
     busy: dict[str, WorkerOut] = {}
     for lease in job_stats.live_leases(session, time.time()):
-        worker, engine = split_owner(lease.owner)
+        worker, engine = split_lease_owner(lease.owner)
         key = lease.owner
         out = busy.setdefault(key, WorkerOut(worker=worker or "?", engine=engine or "?", leases=0, units=[]))
         out.leases += 1
@@ -135,9 +129,9 @@ async def engines(session: SessionDep, settings: SettingsDep) -> list[EngineOut]
     configured = entry(settings.engine_url)
     configured.configured = True
     for lease in leases:
-        entry(split_owner(lease.owner)[1] or "?").live_leases += 1
+        entry(split_lease_owner(lease.owner)[1] or "?").live_leases += 1
     for owner, n in done.items():
-        entry(split_owner(owner)[1] or "?").units_done_last_hour += n
+        entry(split_lease_owner(owner)[1] or "?").units_done_last_hour += n
     configured.healthy, configured.info = await _probe(settings.engine_url)
     return sorted(per_engine.values(), key=lambda e: (not e.configured, e.url))
 

@@ -26,7 +26,13 @@ import numpy as np
 import numpy.typing as npt
 
 from hsx import fp8
-from hsx.contract import PRE_NORM_TENSOR, tensor_name
+from hsx.layout import (
+    PRE_NORM_TENSOR,
+    sample_tensor_name,
+    scale_tensor_name,
+    state_tensor_names,
+    tensor_name,
+)
 from hsx.manifest import Manifest, ShardEntry
 from hsx.safetensors_io import SafetensorsError, TensorSpec, parse_header
 
@@ -145,13 +151,7 @@ class ShardView:
 
     def _state_names(self) -> list[str]:
         """Per-sample dump tensors a schema 2 shard holds, in the manifest's terms."""
-        m = self.manifest
-        names = [tensor_name(i) for i in m.hf_indices[:-1]]
-        if m.final_state in ("post", "both"):
-            names.append(tensor_name(m.hf_indices[-1]))
-        if m.final_state in ("pre", "both"):
-            names.append(PRE_NORM_TENSOR)
-        return names
+        return state_tensor_names(self.manifest.hf_indices, self.manifest.final_state)
 
     def _check(self, entry: ShardEntry) -> None:
         m, offsets = self.manifest, self.offsets
@@ -175,16 +175,18 @@ class ShardView:
             for k in range(len(self.indices)):
                 rows = int(offsets[k + 1] - offsets[k])
                 for name in self._state_names():
-                    got = self.specs.get(f"s{k}.{name}")
+                    got = self.specs.get(sample_tensor_name(k, name))
                     if got is None or got.shape != (rows, m.hidden_size) or got.dtype != m.dtype:
                         found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-                        problems.append(f"s{k}.{name} is {found}, expected {m.dtype}{[rows, m.hidden_size]}")
+                        want = f"{m.dtype}{[rows, m.hidden_size]}"
+                        problems.append(f"{sample_tensor_name(k, name)} is {found}, expected {want}")
                         break
                     if m.dtype == fp8.FP8_DTYPE:
-                        scale = self.specs.get(f"s{k}.{name}{fp8.SCALE_SUFFIX}")
+                        scale_name = scale_tensor_name(sample_tensor_name(k, name))
+                        scale = self.specs.get(scale_name)
                         if scale is None or scale.shape != (rows,) or scale.dtype != fp8.SCALE_DTYPE:
                             found = "missing" if scale is None else f"{scale.dtype}{list(scale.shape)}"
-                            problems.append(f"s{k}.{name}{fp8.SCALE_SUFFIX} is {found}, expected F32[{rows}]")
+                            problems.append(f"{scale_name} is {found}, expected F32[{rows}]")
                             break
         if problems:
             raise LoaderError(f"{self.path}: " + "; ".join(problems[:4]))
@@ -193,7 +195,7 @@ class ShardView:
         return len(self.indices)
 
     def _scales(self, k: int, name: str) -> npt.NDArray[np.float32]:
-        tensor = f"s{k}.{name}{fp8.SCALE_SUFFIX}"
+        tensor = scale_tensor_name(sample_tensor_name(k, name))
         scales: npt.NDArray[np.float32] = self._array(tensor).copy()
         problem = fp8.bad_scales(scales)
         if problem is not None:
@@ -208,7 +210,7 @@ class ShardView:
         scales = {name: self._scales(k, name) for name in [*aux_names, final_name, pre_name] if name}
 
         def tensor(name: str) -> npt.NDArray[Any]:
-            codes = self._array(f"s{k}.{name}")
+            codes = self._array(sample_tensor_name(k, name))
             return codes.copy() if raw else fp8.dequantize(codes, scales[name])
 
         def state(name: str | None) -> npt.NDArray[Any] | None:
@@ -242,12 +244,16 @@ class ShardView:
             aux = own(self._array("aux_hidden_state")[rows])
             pre = None
         else:
-            aux_parts = [self._array(f"s{k}.{tensor_name(i)}") for i in m.hf_indices[:-1]]
+            aux_parts = [self._array(sample_tensor_name(k, tensor_name(i))) for i in m.hf_indices[:-1]]
             aux = own(np.concatenate(aux_parts, axis=1))
             final = (
-                own(self._array(f"s{k}.{tensor_name(m.hf_indices[-1])}")) if m.final_state != "pre" else None
+                own(self._array(sample_tensor_name(k, tensor_name(m.hf_indices[-1]))))
+                if m.final_state != "pre"
+                else None
             )
-            pre = own(self._array(f"s{k}.{PRE_NORM_TENSOR}")) if m.final_state != "post" else None
+            pre = (
+                own(self._array(sample_tensor_name(k, PRE_NORM_TENSOR))) if m.final_state != "post" else None
+            )
         return Sample(
             index=int(self.indices[k]),
             input_ids=self.input_ids[rows].astype(np.int32),

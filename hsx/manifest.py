@@ -8,24 +8,18 @@ the previous manifest or the new one. Format: docs/format.md. Standard library o
 from __future__ import annotations
 
 import json
-import os
-import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hsx.contract import LAYER_CONVENTION
-from hsx.fsutil import fsync_dir
+from hsx.layout import FINAL_STATES as FINAL_STATES  # the schema's names live in hsx.layout
+from hsx.layout import FP8_SCHEMA_VERSION as FP8_SCHEMA_VERSION
+from hsx.layout import MANIFEST_FILE as MANIFEST_FILE
+from hsx.layout import READABLE_SCHEMA_VERSIONS as READABLE_SCHEMA_VERSIONS
+from hsx.layout import SCHEMA_VERSION as SCHEMA_VERSION
+from hsx.layout import write_atomically
 
-# 3: schema 2 with fp8 states: e4m3 codes plus a per-token float32 scale per state tensor (an fp8 job;
-#    a job that keeps the engine's dtype still writes 2, readable by older readers).
-# 2: shards written as a stream (per-sample state tensors, data and header hashed apart; docs/format.md).
-# 1: shards with every state tensor concatenated, one sha256 over the whole file. All three are read.
-SCHEMA_VERSION = 2
-FP8_SCHEMA_VERSION = 3
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
-FINAL_STATES = ("post", "pre", "both")
-MANIFEST_FILE = "manifest.json"
 # The shard's state tensors use safetensors dtype names, so the manifest does too (no aliases here).
 STATE_DTYPES = ("BF16", "F16", "F32")
 FP8_DTYPE = "F8_E4M3"  # schema 3 only; source_dtype then names what the engine produced
@@ -163,20 +157,8 @@ class Manifest:
         for entry in self.shards:
             _checked_relative(entry.path)
         directory.mkdir(parents=True, exist_ok=True)
-        final = directory / MANIFEST_FILE
-        tmp = directory / f".{MANIFEST_FILE}.{secrets.token_hex(6)}.tmp"
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(directory)
-        return final
+        return write_atomically(directory / MANIFEST_FILE, text)
 
     @classmethod
     def load(cls, directory: Path) -> Manifest:

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hsx import engine_fitness, telemetry
+from hsx import engine_fitness, layout, telemetry
 from hsx.contract import EngineInfo
 from hsx.db.models import Job, JobState
 from hsx.db.session import retry_db, session_scope
@@ -58,9 +58,8 @@ _TOKENIZERS: dict[str, Any] = {}
 
 
 def lease_owner(pid: int, engine_url: str) -> str:
-    """Who holds a lease: the process and the engine it feeds, so a dead horse's leases can be found and
-    units can be counted per engine."""
-    return f"{socket.gethostname()}:{pid}@{engine_url}"
+    """This host's owner string for process ``pid`` (format: hsx.layout.lease_owner)."""
+    return layout.lease_owner(socket.gethostname(), pid, engine_url)
 
 
 class TokenizerMissing(Exception):

@@ -18,6 +18,7 @@ from hsx.jobs import recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
 from hsx.jobs.queue import wake_idle_workers
+from hsx.layout import parse_staged_shard_name
 from hsx.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -101,13 +102,8 @@ def _remove_stale_temp(output_dir: Path, live: set[tuple[int, int]], now: float)
         name = path.name
         if not (name.endswith(".staged") or ".tmp" in name):
             continue
-        if name.endswith(".staged"):
-            try:
-                unit_part, attempt_part = name[len(".shard-") :].split(".")[:2]
-                if (int(unit_part), int(attempt_part[1:])) in live:
-                    continue
-            except ValueError:
-                pass
+        if parse_staged_shard_name(name) in live:
+            continue
         try:
             if now - path.stat().st_mtime > STALE_TEMP_SECONDS:
                 path.unlink()

@@ -29,25 +29,22 @@ from hsx import fp8
 from hsx.contract import canonical_state_dtype as canonical_state_dtype
 from hsx.faults import crash_point
 from hsx.fsutil import WRITE_BEHIND_WINDOW, WriteBehind
+from hsx.layout import TOKEN_TENSORS, sample_tensor_name, scale_tensor_name
 from hsx.safetensors_io import TensorSpec, encode_header
-from hsx.validation import LAYERS_MISMATCH, NON_FINITE, TOKEN_COUNT, SampleRejected
+from hsx.validation import (
+    DTYPE_MISMATCH,
+    LAYERS_MISMATCH,
+    NON_FINITE,
+    TOKEN_COUNT,
+    SampleRejected,
+    count_non_finite,
+)
 
 CHUNK_BYTES = 1 << 20
-# Bits that are all ones in the exponent of a non-finite value, per 16-bit float format.
-_EXPONENT_MASKS = {"BF16": 0x7F80, "F16": 0x7C00}
 # Header room per tensor entry: '"s12345.hidden.123":{"dtype":"BF16","shape":[..],"data_offsets":[..]},'
 # is under 120 bytes for any realistic size; the reserve is checked when the header is written.
 _HEADER_BYTES_PER_TENSOR = 160
 _HEADER_BASE_BYTES = 1024
-
-
-def sample_tensor_name(position: int, dump_tensor: str) -> str:
-    return f"s{position}.{dump_tensor}"
-
-
-def scale_tensor_name(state_tensor: str) -> str:
-    """The per-token scales of an fp8 state tensor (schema 3): ``s<k>.hidden.<i>.scale``."""
-    return f"{state_tensor}{fp8.SCALE_SUFFIX}"
 
 
 class ShardWriteError(Exception):
@@ -68,16 +65,6 @@ class ShardInfo:
     bytes: int
     samples: int
     tokens: int
-
-
-def has_non_finite(chunk: memoryview, dtype: str) -> bool:
-    if dtype in _EXPONENT_MASKS:
-        words = np.frombuffer(chunk, dtype="<u2")
-        mask = _EXPONENT_MASKS[dtype]
-        return bool(np.any(np.bitwise_and(words, mask) == mask))
-    if dtype == "F32":
-        return not bool(np.isfinite(np.frombuffer(chunk, dtype="<f4")).all())
-    raise ValueError(f"no finiteness check for dtype {dtype}")
 
 
 class ShardStream:
@@ -160,7 +147,7 @@ class ShardStream:
                 spec = specs[name]
                 if spec.dtype != self.dtype:
                     raise SampleRejected(
-                        "dtype_mismatch", f"{name} is {spec.dtype}, the shard holds {self.dtype}"
+                        DTYPE_MISMATCH, f"{name} is {spec.dtype}, the shard holds {self.dtype}"
                     )
                 stored = sample_tensor_name(position, name)
                 if self.store_fp8:
@@ -189,7 +176,7 @@ class ShardStream:
             if got <= 0:
                 raise SampleRejected("dump_missing", f"{spec.name} ends {spec.end - position} bytes early")
             chunk = view[:got]
-            if (check_every_chunk or first) and has_non_finite(chunk, spec.dtype):
+            if (check_every_chunk or first) and count_non_finite(chunk, spec.dtype):
                 raise SampleRejected(NON_FINITE, f"{spec.name} holds NaN/Inf values")
             self._digest.update(chunk)
             self._write(chunk)
@@ -213,7 +200,7 @@ class ShardStream:
             if got != want:
                 raise SampleRejected("dump_missing", f"{spec.name} ends {want - got} bytes early")
             chunk = view[:want]
-            if (check_every_chunk or first) and has_non_finite(chunk, spec.dtype):
+            if (check_every_chunk or first) and count_non_finite(chunk, spec.dtype):
                 raise SampleRejected(NON_FINITE, f"{spec.name} holds NaN/Inf values")
             # torch's cast (the worker has torch): the same bytes as hsx.fp8's numpy encoder, 20x faster.
             codes, chunk_scales = fp8.quantize_rows_torch(_as_torch_rows(chunk, spec.dtype, rows, hidden))
@@ -252,14 +239,15 @@ class ShardStream:
             raise ValueError("a shard needs at least one sample")
         offsets = np.zeros(len(self._ids) + 1, dtype="<i8")
         np.cumsum([len(ids) for ids in self._ids], out=offsets[1:])
-        tail = [
-            ("sample_offsets", "I64", offsets),
-            ("sample_index", "I64", np.asarray(self._indices, dtype="<i8")),
-            ("input_ids", "I32", np.concatenate(self._ids)),
-            ("loss_mask", "U8", np.concatenate(self._masks)),
-        ]
+        arrays = {
+            "sample_offsets": offsets,
+            "sample_index": np.asarray(self._indices, dtype="<i8"),
+            "input_ids": np.concatenate(self._ids),
+            "loss_mask": np.concatenate(self._masks),
+        }
         try:
-            for name, dtype, array in tail:
+            for name, dtype in TOKEN_TENSORS:
+                array = arrays[name]
                 data = memoryview(np.ascontiguousarray(array).tobytes())
                 self._digest.update(data)
                 self._write(data)

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hsx import telemetry
-from hsx.contract import PRE_NORM_TENSOR, RID_PREFIX, EngineInfo, tensor_name
+from hsx.contract import RID_PREFIX, EngineInfo
+from hsx.dumps import DumpFile, delete_dump, open_dump, validate_open_dump
 from hsx.engine_client import (
     DumpMissing,
     EngineClient,
@@ -40,13 +41,12 @@ from hsx.engine_client import (
     EngineTimeout,
     EngineUnavailable,
     EngineUnfit,
-    delete_dump,
 )
 from hsx.fsutil import WRITE_BEHIND_WINDOW
 from hsx.jobs.repository import ClaimedUnit, LiveCounts, RejectionRow, TruncationRow
+from hsx.layout import state_tensor_names
 from hsx.safetensors_io import DTYPE_SIZES
-from hsx.validation import ENGINE_TIMEOUT, TOO_LONG, SampleRejected, check_dump
-from workers.dump_file import DumpFile, open_dump
+from hsx.validation import DTYPE_MISMATCH, ENGINE_TIMEOUT, TOO_LONG, SampleRejected
 from workers.records import Pretokenized, Record
 from workers.shards import ShardInfo, ShardStream, canonical_state_dtype
 
@@ -117,13 +117,8 @@ class _Sent:
 
 
 def dump_tensors(info: EngineInfo) -> list[str]:
-    """The dump tensors a sample keeps, in shard order: aux layers, then the final state(s)."""
-    names = [tensor_name(i) for i in info.hf_indices[:-1]]
-    if info.final_state in ("post", "both"):
-        names.append(tensor_name(info.hf_indices[-1]))
-    if info.final_state in ("pre", "both"):
-        names.append(PRE_NORM_TENSOR)
-    return names
+    """The dump tensors a sample keeps, in shard order (hsx.layout.state_tensor_names)."""
+    return state_tensor_names(info.hf_indices, info.final_state)
 
 
 class UnitProcessor:
@@ -371,26 +366,13 @@ class UnitProcessor:
         try:
             dump = open_dump(self.dump_dir, sent.rid, self.dump_wait_seconds)
             telemetry.dump_wait(time.monotonic() - started)
-            specs = dump.state_specs()
-            shapes = {name: spec.shape for name, spec in specs.items()}
-            check_dump(
-                dump.meta,
-                dump.input_ids(),
-                shapes,
-                pending.input_ids,
-                sent.cached_tokens,
-                self.tensors,
-                self.info.hidden_size,
-            )
-            other = sorted(
-                {spec.dtype for name, spec in specs.items() if name in self.tensors} - {self.dtype}
-            )
-            if other:
+            failure = validate_open_dump(dump, pending.input_ids, sent.cached_tokens, self.info).first_failure
+            if failure is None:
+                return dump
+            if failure.reason == DTYPE_MISMATCH:
                 # Every dump of this engine will be so: its states are not what it says they are.
-                raise EngineUnfit(
-                    f"the engine reports dtype {self.info.dtype} ({self.dtype}) but dumps {', '.join(other)}"
-                )
-            return dump
+                raise EngineUnfit(failure.detail)
+            raise SampleRejected(failure.reason or DTYPE_MISMATCH, failure.detail)
         except DumpMissing as exc:
             problem = SampleRejected("dump_missing", str(exc))
         except SampleRejected as exc:

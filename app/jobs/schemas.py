@@ -196,10 +196,15 @@ class TruncationPage(BaseModel):
 
 
 class CheckOut(BaseModel):
+    """One check of the validator (hsx.validation.Check); a failed dump check names the reason code a job
+    would reject the sample with."""
+
     name: str
     ok: bool
     expected: object
     actual: object
+    reason: str | None = None
+    detail: str = ""
 
 
 class VerifyOut(BaseModel):

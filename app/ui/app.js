@@ -177,7 +177,8 @@ async function verify(button) {
       el("span", { class: "muted" }, "  (" + new Date().toLocaleTimeString() + ")")),
     el("table", {}, el("tbody", {}, ...(resp.doc.ok ? resp.doc.checks.slice(0, 6) : failedChecks).map((c) => el("tr", {},
       el("td", { class: "mono" }, c.name), el("td", { class: c.ok ? "ok" : "bad" }, c.ok ? "ok" : "failed"),
-      el("td", { class: "muted" }, "expected " + JSON.stringify(c.expected) + ", got " + JSON.stringify(c.actual)))))));
+      el("td", { class: "muted" }, "expected " + JSON.stringify(c.expected) + ", got " + JSON.stringify(c.actual)
+        + (c.reason ? " (" + c.reason + ": " + c.detail + ")" : "")))))));
 }
 
 async function loadEngines() {

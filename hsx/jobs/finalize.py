@@ -10,6 +10,7 @@ from hsx.db.models import JobState, UnitState
 from hsx.db.session import session_scope
 from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.jobs import repository as repo
+from hsx.layout import is_temp_name, parse_staged_shard_name
 from hsx.manifest import (
     FP8_DTYPE,
     FP8_SCHEMA_VERSION,
@@ -147,10 +148,6 @@ def _remove_dead_shard_temps(out: Path) -> None:
     (or lost its lease): remove it, or it would stay in the finished output for good."""
     for path in out.iterdir():
         name = path.name
-        if (
-            name.startswith(".")
-            and name.lstrip(".").startswith("shard-")
-            and name.endswith((".staged", ".tmp"))
-        ):
+        if parse_staged_shard_name(name) is not None or (name.startswith(".shard-") and is_temp_name(name)):
             with contextlib.suppress(OSError):  # best effort: leftovers must not fail the job
                 path.unlink()

@@ -10,6 +10,7 @@ from sqlalchemy import and_, delete, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from hsx.db.models import Job, JobState, Rejection, Shard, Truncation, UnitState, WorkUnit, utcnow
+from hsx.layout import split_lease_owner
 
 ACTIVE_STATES = (JobState.queued.value, JobState.running.value)
 # A fresh attempt starts with nothing handled.
@@ -518,6 +519,6 @@ def done_units_by_owner_engine(session: Session, job_id: str) -> dict[str, int]:
     ).all()
     counts: dict[str, int] = {}
     for owner in owners:
-        engine = (owner or "?").rsplit("@", 1)[-1]
+        engine = split_lease_owner(owner)[1] or owner or "?"
         counts[engine] = counts.get(engine, 0) + 1
     return counts
