@@ -168,3 +168,28 @@ def test_speculators_reader_loads_an_fp8_job(
         assert torch.equal(
             item["hidden_states"][:, :SYNTHETIC_HIDDEN], sample.aux_hidden_state[:, :SYNTHETIC_HIDDEN]
         )
+
+
+def test_verify_job_holds_an_fp8_job_to_the_documented_bound(fp8_job: JobOutput, engine_nocache: Any) -> None:
+    from hsx.verify import run_verification
+
+    doc = {
+        "id": fp8_job.job_id,
+        "output_dir": str(fp8_job.output_dir),
+        "options": {"state_dtype": "fp8_e4m3"},
+    }
+    report = run_verification(engine_nocache.url, rid_prefix_tag="verify-fp8", job=doc)
+    fp8_checks = [c for c in report.checks if c.name.startswith("fp8.")]
+    # Three samples, four stored tensors each (three aux layers and the post-norm final state).
+    assert len(fp8_checks) == 12 and all(c.ok for c in fp8_checks), [c.to_dict() for c in fp8_checks]
+    assert all(c.actual.startswith("min cos 0.99") for c in fp8_checks)
+
+    # A stored state that is not the engine's (here: another sample's scales swapped in) fails the check.
+    from hsx.verify_fp8 import token_errors
+
+    engine = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    codes, scales = fp8.quantize_rows(engine, "F32")
+    assert token_errors(fp8.dequantize(codes, scales), engine)[1] <= fp8.DOCUMENTED_MAX_REL_L2
+    wrong = fp8.dequantize(codes, scales[::-1].copy())
+    cosine, relative = token_errors(wrong, engine)
+    assert relative > fp8.DOCUMENTED_MAX_REL_L2
