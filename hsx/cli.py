@@ -261,7 +261,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-BENCHES = ("pipeline", "e2e", "memory", "api", "scale")
+BENCHES = ("pipeline", "e2e", "memory", "api", "scale", "fp8", "fp8_error")
 
 
 def cmd_bench(argv: list[str]) -> int:
