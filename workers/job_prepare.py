@@ -16,6 +16,7 @@ from typing import Any
 
 from hsx.contract import EngineInfo
 from hsx.db.session import session_scope
+from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.jobs import recovery
 from hsx.jobs import repository as repo
 from hsx.settings import Settings
@@ -56,6 +57,7 @@ class JobPreparer:
             str(options.get("truncation", TRUNCATE)),
             encoder,
             self.settings.projection_sample_records,
+            store_fp8=options.get("state_dtype") == STATE_DTYPE_OPTION,
         )
         try:
             with self._lease():
