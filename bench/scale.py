@@ -24,8 +24,8 @@ from harness import private_stack, say, table, write_pretokenized  # noqa: E402
 
 
 def read_cost(records_path: str, units: list[tuple[int, int, int, int]], repeat: int = 50) -> float:
-    """Mean seconds to read one unit's records through workers.records.read_unit."""
-    from workers.records import UnitRange, read_unit
+    """Mean seconds to read one unit's records through hsx.ingest.read_unit."""
+    from hsx.ingest import UnitRange, read_unit
 
     started = time.perf_counter()
     for _ in range(repeat):

@@ -314,18 +314,16 @@ def test_a_redirect_to_a_private_address_is_refused(
     target: str,
     tmp_path: Path,
 ) -> None:
-    """A download happens in the worker that prepares the job (workers.sources), never in the request; each
+    """A download happens in the worker that prepares the job (hsx.ingest.convert), never in the request; each
     hop is judged there. The first hop must pass the address check for the redirect to be seen at all, and
     the only server a test may reach is on loopback, which the check refuses: so the check lets that one
     first hop through (once), and every later hop is judged for real, before any connection."""
-    import hsx.dataset_uri as dataset_uri
-    from workers.dataset import DatasetError
-    from workers.sources import materialize
+    from hsx.ingest import DatasetError, materialize, policy
 
     stack = stack_no_engine
     handler, port = recorder
     handler.target = target.format(port=port)
-    real = dataset_uri.is_public_address
+    real = policy.is_public_address
     first_hop = ["127.0.0.1"]
 
     def public_once(address: str) -> bool:
@@ -334,7 +332,7 @@ def test_a_redirect_to_a_private_address_is_refused(
             return True
         return real(address)
 
-    monkeypatch.setattr(dataset_uri, "is_public_address", public_once)
+    monkeypatch.setattr(policy, "is_public_address", public_once)
     with pytest.raises(DatasetError) as refused_by_worker:
         materialize(f"http://127.0.0.1:{port}/go", tmp_path / "prepared", stack.settings)
     assert refused_by_worker.value.reason == "address_not_public", refused_by_worker.value

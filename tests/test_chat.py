@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from workers import dataset
+from hsx.ingest import ChatMessage
+from tests.reference_samples import iter_samples
 from workers.chat import (
     NO_ASSISTANT_TOKENS,
     TEMPLATE_NOT_SEPARABLE,
@@ -16,7 +17,6 @@ from workers.chat import (
     chat_template_sha256,
     tokenizer_identity,
 )
-from workers.dataset import ChatMessage
 
 SAMPLE_CHATS = Path(__file__).resolve().parent.parent / "data" / "sample_chats.jsonl"
 
@@ -57,7 +57,7 @@ def _with_template(tokenizer: Any, template: str) -> Any:
 
 def _sample_chats() -> list[list[ChatMessage]]:
     chats: list[list[ChatMessage]] = []
-    for _, sample in dataset.iter_samples(SAMPLE_CHATS, 0, 1000):
+    for _, sample in iter_samples(SAMPLE_CHATS, 0, 1000):
         assert isinstance(sample, list)
         chats.append(sample)
     return chats

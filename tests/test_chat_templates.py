@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from tokenizers import AddedToken
 
+from hsx.ingest import ChatMessage, SampleError, normalize_record
 from tests.chat_references import BOS, REFERENCES, SPECIAL_MARKERS
 from workers.chat import ChatEncoder
-from workers.dataset import ChatMessage, SampleError, normalize_record
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "workers" / "templates"
 

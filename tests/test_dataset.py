@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from workers import dataset
-from workers.dataset import DatasetError, SampleError
-from workers.records import inspect_head
+from hsx.ingest import DatasetError, SampleError, detect_layout, inspect_head, normalize_record
+from hsx.ingest import errors as codes
+from tests.reference_samples import count_samples, iter_samples
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 SAMPLE_CHATS = DATA / "sample_chats.jsonl"
@@ -16,13 +16,13 @@ BAD_CHATS = DATA / "bad_chats.jsonl"
 # What data/bad_chats.jsonl holds, by sample index (its blank line is not a sample).
 BAD_CHATS_EXPECTED: list[str | None] = [
     None,
-    dataset.MALFORMED_JSON,
-    dataset.NO_ASSISTANT_TURN,
-    dataset.UNKNOWN_ROLE,
-    dataset.NON_STRING_CONTENT,
+    codes.MALFORMED_JSON,
+    codes.NO_ASSISTANT_TURN,
+    codes.UNKNOWN_ROLE,
+    codes.NON_STRING_CONTENT,
     None,
-    dataset.EMPTY_CONVERSATION,
-    dataset.UNKNOWN_FORMAT,
+    codes.EMPTY_CONVERSATION,
+    codes.UNKNOWN_FORMAT,
     None,
 ]
 
@@ -37,8 +37,8 @@ def _chat(user: str, answer: str) -> dict[str, object]:
 
 
 def test_sample_chats_are_all_valid_messages_records() -> None:
-    assert dataset.count_samples(SAMPLE_CHATS) == 24
-    samples = list(dataset.iter_samples(SAMPLE_CHATS, 0, 1000))
+    assert count_samples(SAMPLE_CHATS) == 24
+    samples = list(iter_samples(SAMPLE_CHATS, 0, 1000))
     assert [index for index, _ in samples] == list(range(24))
     for _, sample in samples:
         assert isinstance(sample, list)
@@ -47,8 +47,8 @@ def test_sample_chats_are_all_valid_messages_records() -> None:
 
 
 def test_bad_records_become_per_sample_errors_at_stable_indices() -> None:
-    assert dataset.count_samples(BAD_CHATS) == len(BAD_CHATS_EXPECTED)
-    samples = dict(dataset.iter_samples(BAD_CHATS, 0, 100))
+    assert count_samples(BAD_CHATS) == len(BAD_CHATS_EXPECTED)
+    samples = dict(iter_samples(BAD_CHATS, 0, 100))
     assert sorted(samples) == list(range(len(BAD_CHATS_EXPECTED)))
     for index, expected in enumerate(BAD_CHATS_EXPECTED):
         sample = samples[index]
@@ -64,17 +64,17 @@ def test_bad_records_become_per_sample_errors_at_stable_indices() -> None:
 
 
 def test_sub_ranges_match_the_full_read() -> None:
-    everything = list(dataset.iter_samples(BAD_CHATS, 0, 100))
+    everything = list(iter_samples(BAD_CHATS, 0, 100))
     for start in range(len(everything) + 2):
         for end in range(start, len(everything) + 3):
-            assert list(dataset.iter_samples(BAD_CHATS, start, end)) == everything[start:end]
+            assert list(iter_samples(BAD_CHATS, start, end)) == everything[start:end]
 
 
 def test_bad_range_is_refused() -> None:
     with pytest.raises(ValueError):
-        list(dataset.iter_samples(BAD_CHATS, -1, 3))
+        list(iter_samples(BAD_CHATS, -1, 3))
     with pytest.raises(ValueError):
-        list(dataset.iter_samples(BAD_CHATS, 4, 3))
+        list(iter_samples(BAD_CHATS, 4, 3))
 
 
 def test_sharegpt_records_are_normalized(tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ def test_sharegpt_records_are_normalized(tmp_path: Path) -> None:
         ]
     }
     path = _write_lines(tmp_path / "s.jsonl", [json.dumps(record), json.dumps(_chat("x", "y"))])
-    [(_, sharegpt), (_, messages)] = list(dataset.iter_samples(path, 0, 2))
+    [(_, sharegpt), (_, messages)] = list(iter_samples(path, 0, 2))
     assert sharegpt == [
         {"role": "system", "content": "Be kind."},
         {"role": "user", "content": "Hi"},
@@ -96,29 +96,29 @@ def test_sharegpt_records_are_normalized(tmp_path: Path) -> None:
     assert inspect_head(str(path), 1 << 20) == "mixed"
 
     # A forced format refuses records of the other one instead of guessing.
-    [(_, forced)] = list(dataset.iter_samples(path, 0, 1, record_format="messages"))
-    assert isinstance(forced, SampleError) and forced.reason == dataset.WRONG_SHAPE
-    [(_, forced)] = list(dataset.iter_samples(path, 1, 2, record_format="sharegpt"))
-    assert isinstance(forced, SampleError) and forced.reason == dataset.WRONG_SHAPE
+    [(_, forced)] = list(iter_samples(path, 0, 1, record_format="messages"))
+    assert isinstance(forced, SampleError) and forced.reason == codes.WRONG_SHAPE
+    [(_, forced)] = list(iter_samples(path, 1, 2, record_format="sharegpt"))
+    assert isinstance(forced, SampleError) and forced.reason == codes.WRONG_SHAPE
 
 
 @pytest.mark.parametrize(
     ("record", "reason"),
     [
-        ([1, 2], dataset.WRONG_SHAPE),
-        ({"messages": "hello"}, dataset.WRONG_SHAPE),
-        ({"messages": ["hello"]}, dataset.WRONG_SHAPE),
-        ({"messages": [{"role": "user"}]}, dataset.NON_STRING_CONTENT),
-        ({"messages": [{"role": "assistant", "content": None}]}, dataset.NON_STRING_CONTENT),
-        ({"messages": [{"content": "x"}]}, dataset.UNKNOWN_ROLE),
-        ({"conversations": [{"from": "bot", "value": "x"}]}, dataset.UNKNOWN_ROLE),
-        ({"conversations": []}, dataset.EMPTY_CONVERSATION),
-        ({"conversations": [{"from": "human", "value": "only me"}]}, dataset.NO_ASSISTANT_TURN),
-        ({"text": "plain"}, dataset.UNKNOWN_FORMAT),
+        ([1, 2], codes.WRONG_SHAPE),
+        ({"messages": "hello"}, codes.WRONG_SHAPE),
+        ({"messages": ["hello"]}, codes.WRONG_SHAPE),
+        ({"messages": [{"role": "user"}]}, codes.NON_STRING_CONTENT),
+        ({"messages": [{"role": "assistant", "content": None}]}, codes.NON_STRING_CONTENT),
+        ({"messages": [{"content": "x"}]}, codes.UNKNOWN_ROLE),
+        ({"conversations": [{"from": "bot", "value": "x"}]}, codes.UNKNOWN_ROLE),
+        ({"conversations": []}, codes.EMPTY_CONVERSATION),
+        ({"conversations": [{"from": "human", "value": "only me"}]}, codes.NO_ASSISTANT_TURN),
+        ({"text": "plain"}, codes.UNKNOWN_FORMAT),
     ],
 )
 def test_wrong_shapes_are_named(record: object, reason: str) -> None:
-    result = dataset.normalize_record(record)
+    result = normalize_record(record)
     assert isinstance(result, SampleError)
     assert result.reason == reason
 
@@ -128,11 +128,11 @@ def test_undecodable_and_deeply_nested_lines_are_malformed_samples(tmp_path: Pat
     path.write_bytes(
         b'{"messages": "\xff\xfe"}\n' + b"[" * 200_000 + b"\n" + json.dumps(_chat("a", "b")).encode()
     )
-    results = list(dataset.iter_samples(path, 0, 10))
+    results = list(iter_samples(path, 0, 10))
     assert [index for index, _ in results] == [0, 1, 2]
     assert [getattr(sample, "reason", None) for _, sample in results] == [
-        dataset.MALFORMED_JSON,
-        dataset.MALFORMED_JSON,
+        codes.MALFORMED_JSON,
+        codes.MALFORMED_JSON,
         None,
     ]
 
@@ -140,8 +140,8 @@ def test_undecodable_and_deeply_nested_lines_are_malformed_samples(tmp_path: Pat
 def test_byte_order_mark_and_crlf(tmp_path: Path) -> None:
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(_chat("a", "b")).encode() + b"\r\n\r\n \t\r\n")
-    assert dataset.count_samples(path) == 1
-    [(_, sample)] = list(dataset.iter_samples(path, 0, 5))
+    assert count_samples(path) == 1
+    [(_, sample)] = list(iter_samples(path, 0, 5))
     assert isinstance(sample, list)
 
 
@@ -149,22 +149,22 @@ def test_json_array_files(tmp_path: Path) -> None:
     records = [_chat("a", "b"), {"messages": []}, _chat("c", "d")]
     path = tmp_path / "d.json"
     path.write_text("  \n" + json.dumps(records, indent=2), encoding="utf-8")
-    assert dataset.detect_layout(path) == "json_array"
-    assert dataset.count_samples(path) == 3
-    results = list(dataset.iter_samples(path, 1, 10))
+    assert detect_layout(path) == "json_array"
+    assert count_samples(path) == 3
+    results = list(iter_samples(path, 1, 10))
     assert [index for index, _ in results] == [1, 2]
-    assert isinstance(results[0][1], SampleError) and results[0][1].reason == dataset.EMPTY_CONVERSATION
+    assert isinstance(results[0][1], SampleError) and results[0][1].reason == codes.EMPTY_CONVERSATION
 
 
 @pytest.mark.parametrize(
     ("content", "reason"),
     [
-        (b"", dataset.FILE_EMPTY),
-        (b"\n  \n\t\n", dataset.FILE_EMPTY),
-        (b"user: hi\nassistant: hello\n", dataset.FILE_NOT_JSON_LINES),
-        (b"[1, 2, 3]\n", dataset.FILE_NOT_JSON_LINES),
-        (b"[1, 2", dataset.FILE_NOT_JSON_LINES),
-        (b'{"prompt": "a", "completion": "b"}\n', dataset.FILE_UNRECOGNIZED_FORMAT),
+        (b"", codes.FILE_EMPTY),
+        (b"\n  \n\t\n", codes.FILE_EMPTY),
+        (b"user: hi\nassistant: hello\n", codes.FILE_NOT_JSON_LINES),
+        (b"[1, 2, 3]\n", codes.FILE_NOT_JSON_LINES),
+        (b"[1, 2", codes.FILE_NOT_JSON_LINES),
+        (b'{"prompt": "a", "completion": "b"}\n', codes.FILE_UNRECOGNIZED_FORMAT),
     ],
 )
 def test_validation_refuses_unusable_files(tmp_path: Path, content: bytes, reason: str) -> None:
@@ -178,10 +178,10 @@ def test_validation_refuses_unusable_files(tmp_path: Path, content: bytes, reaso
 def test_validation_refuses_large_and_missing_files(tmp_path: Path) -> None:
     with pytest.raises(DatasetError) as caught:
         inspect_head(str(SAMPLE_CHATS), 100)
-    assert caught.value.reason == dataset.FILE_TOO_LARGE
+    assert caught.value.reason == codes.FILE_TOO_LARGE
     with pytest.raises(DatasetError) as caught:
         inspect_head(str(tmp_path / "absent.jsonl"), 100)
-    assert caught.value.reason == dataset.FILE_NOT_FOUND
+    assert caught.value.reason == codes.FILE_NOT_FOUND
 
 
 def test_validation_accepts_a_file_whose_first_records_are_partly_broken() -> None:
@@ -212,7 +212,7 @@ def test_openai_shapes_are_read() -> None:
             {"role": "assistant", "content": "It is -3 C.", "reasoning_content": "Read the tool."},
         ]
     }
-    assert dataset.normalize_record(record) == [
+    assert normalize_record(record) == [
         {"role": "system", "content": "Be exact."},
         {"role": "user", "content": "Weather in Oslo?"},
         {
@@ -239,7 +239,7 @@ def test_legacy_function_call_and_sharegpt_tool_roles_are_read() -> None:
             {"role": "assistant", "content": None, "function_call": {"name": "clock", "arguments": "{}"}},
         ]
     }
-    [_, call] = dataset.normalize_record(legacy)  # type: ignore[misc]
+    [_, call] = normalize_record(legacy)  # type: ignore[misc]
     assert call["tool_calls"] == [{"type": "function", "function": {"name": "clock", "arguments": {}}}]
     sharegpt = {
         "conversations": [
@@ -249,36 +249,36 @@ def test_legacy_function_call_and_sharegpt_tool_roles_are_read() -> None:
             {"from": "gpt", "value": "It is nine."},
         ]
     }
-    roles = [m["role"] for m in dataset.normalize_record(sharegpt)]  # type: ignore[union-attr]
+    roles = [m["role"] for m in normalize_record(sharegpt)]  # type: ignore[union-attr]
     assert roles == ["user", "assistant", "tool", "assistant"]
 
 
 @pytest.mark.parametrize(
     ("turn", "reason"),
     [
-        ({"role": "assistant", "content": None}, dataset.NON_STRING_CONTENT),
-        ({"role": "assistant", "content": None, "tool_calls": []}, dataset.NON_STRING_CONTENT),
+        ({"role": "assistant", "content": None}, codes.NON_STRING_CONTENT),
+        ({"role": "assistant", "content": None, "tool_calls": []}, codes.NON_STRING_CONTENT),
         (
             {"role": "assistant", "content": [{"type": "image_url", "image_url": {}}]},
-            dataset.UNSUPPORTED_CONTENT_PART,
+            codes.UNSUPPORTED_CONTENT_PART,
         ),
-        ({"role": "assistant", "content": [{"type": "text"}]}, dataset.NON_STRING_CONTENT),
-        ({"role": "assistant", "content": [7]}, dataset.UNSUPPORTED_CONTENT_PART),
-        ({"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}, dataset.INVALID_TOOL_CALL),
-        ({"role": "assistant", "content": "", "tool_calls": "call"}, dataset.INVALID_TOOL_CALL),
+        ({"role": "assistant", "content": [{"type": "text"}]}, codes.NON_STRING_CONTENT),
+        ({"role": "assistant", "content": [7]}, codes.UNSUPPORTED_CONTENT_PART),
+        ({"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}, codes.INVALID_TOOL_CALL),
+        ({"role": "assistant", "content": "", "tool_calls": "call"}, codes.INVALID_TOOL_CALL),
         (
             {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]},
-            dataset.INVALID_TOOL_CALL,
+            codes.INVALID_TOOL_CALL,
         ),
         (
             {"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]},
-            dataset.INVALID_TOOL_CALL,
+            codes.INVALID_TOOL_CALL,
         ),
-        ({"role": "function", "content": "x"}, dataset.UNKNOWN_ROLE),
+        ({"role": "function", "content": "x"}, codes.UNKNOWN_ROLE),
     ],
 )
 def test_what_stays_invalid_keeps_a_stable_reason(turn: dict[str, object], reason: str) -> None:
-    result = dataset.normalize_record({"messages": [{"role": "user", "content": "q"}, turn]})
+    result = normalize_record({"messages": [{"role": "user", "content": "q"}, turn]})
     assert isinstance(result, SampleError), result
     assert result.reason == reason
     assert result.detail.startswith("turn 1")

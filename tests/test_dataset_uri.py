@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from hsx.dataset_uri import (
-    MAX_REDIRECTS,
+from hsx.errors import BadRequest, Forbidden
+from hsx.ingest import (
     ForbiddenUri,
     InvalidUri,
     UriRefused,
@@ -32,7 +32,7 @@ from hsx.dataset_uri import (
     is_public_address,
     resolve_dataset_uri,
 )
-from hsx.errors import BadRequest, Forbidden
+from hsx.ingest.fetch import MAX_REDIRECTS
 from hsx.settings import Settings
 
 ROWS = b'{"messages": [{"role": "user", "content": "hi"}]}\n' * 50

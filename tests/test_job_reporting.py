@@ -237,7 +237,7 @@ def test_a_job_that_cannot_fit_is_refused_with_the_figures(
 
 
 def test_record_ids_are_read_from_records_and_from_broken_lines() -> None:
-    from workers.records import parse_record_with_id
+    from hsx.ingest import parse_record_with_id
 
     assert parse_record_with_id(b'{"id": "a-1", "input_ids": [5, 6]}')[1] == "a-1"
     assert parse_record_with_id(b'{"conversation_id": 12, "messages": []}')[1] == "12"

@@ -176,8 +176,8 @@ def test_truncated_states_never_reach_a_shard_when_preflight_is_bypassed(
     assert samples, "the first prompt of each prefix group has nothing cached and must be kept"
     from transformers import AutoTokenizer
 
+    from tests.reference_samples import iter_samples
     from workers.chat import ChatEncoder
-    from workers.dataset import iter_samples
 
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(doc["engine"]["model_path"]), True, MAX_LEN)
     expected = {

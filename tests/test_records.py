@@ -1,5 +1,5 @@
-"""A job's records: units planned once by byte range, read back exactly as workers.dataset numbers them;
-pre-tokenized records; the bounded submit-time check."""
+"""A job's records: units planned once by byte range, read back exactly as the reference reading
+(tests/reference_samples.py) numbers them; pre-tokenized records; the bounded submit-time check."""
 
 from __future__ import annotations
 
@@ -13,20 +13,22 @@ from typing import Any
 
 import pytest
 
-from workers import dataset
-from workers.dataset import DatasetError, SampleError
-from workers.records import (
-    DATASET_CHANGED,
-    SMALL_ARRAY_BYTES,
+from hsx.ingest import (
+    DatasetError,
     Pretokenized,
+    SampleError,
     UnitRange,
     inspect_head,
-    local_records,
     parse_record,
     plan_units,
     prepare,
     read_unit,
 )
+from hsx.ingest import errors as codes
+from hsx.ingest.errors import DATASET_CHANGED
+from hsx.ingest.inspection import SMALL_ARRAY_BYTES
+from hsx.ingest.records import local_records
+from tests.reference_samples import count_samples, iter_samples, parse_line
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 SHAREGPT = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
@@ -85,7 +87,7 @@ def test_plan_units_byte_ranges(tmp_path: Path, per_unit: int) -> None:
     raw = path.read_bytes()
     prepared = plan_units(str(path), per_unit)
     assert (prepared.path, prepared.bytes, prepared.samples) == (str(path), len(raw), 5)
-    assert prepared.samples == dataset.count_samples(path)
+    assert prepared.samples == count_samples(path)
     expected_units = [(s, min(s + per_unit, 5)) for s in range(0, 5, per_unit)]
     assert [(u.sample_start, u.sample_end) for u in prepared.units] == expected_units
     assert prepared.units[0].byte_start == 3  # after the BOM
@@ -127,12 +129,12 @@ def test_read_unit_matches_dataset_iter_samples_on_jsonl(tmp_path: Path, per_uni
         prepared = plan_units(str(path), per_unit)
         for unit in prepared.units:
             got = list(read_unit(str(path), prepared.bytes, unit))
-            want = list(dataset.iter_samples(path, unit.sample_start, unit.sample_end))
+            want = list(iter_samples(path, unit.sample_start, unit.sample_end))
             assert got == want
             assert [i for i, _ in got] == list(range(unit.sample_start, unit.sample_end))
-        assert len(_read_all(str(path), per_unit)) == dataset.count_samples(path)
+        assert len(_read_all(str(path), per_unit)) == count_samples(path)
     reasons = [r.reason for _, r in _read_all(str(tricky), per_unit) if isinstance(r, SampleError)]
-    assert reasons == [dataset.MALFORMED_JSON, dataset.NO_ASSISTANT_TURN]
+    assert reasons == [codes.MALFORMED_JSON, codes.NO_ASSISTANT_TURN]
 
 
 @pytest.mark.parametrize("per_unit", [1, 4, 1000])
@@ -146,10 +148,10 @@ def test_json_array_is_converted_once_and_read_like_the_array(tmp_path: Path, pe
     assert sorted(p.name for p in work.iterdir()) == ["source.jsonl"]  # no temp file left
     prepared = plan_units(converted, per_unit)
     assert prepared.samples == len(records)
-    last = len(records) - 1  # pre-tokenized: workers.dataset does not know that kind of record
+    last = len(records) - 1  # pre-tokenized: the reference reading does not know that kind of record
     for unit in prepared.units:
         got = list(read_unit(converted, prepared.bytes, unit))
-        want = list(dataset.iter_samples(array, unit.sample_start, unit.sample_end))
+        want = list(iter_samples(array, unit.sample_start, unit.sample_end))
         assert [i for i, _ in got] == [i for i, _ in want] == list(range(unit.sample_start, unit.sample_end))
         assert [r for i, r in got if i != last] == [r for i, r in want if i != last]
     assert _read_all(converted, per_unit)[-1] == (last, Pretokenized([1, 2], [1, 1]))
@@ -173,9 +175,7 @@ def test_json_array_with_an_escaped_lone_surrogate_converts(tmp_path: Path) -> N
     )
     converted = local_records(str(array), tmp_path / "work")
     prepared = plan_units(converted, 1)
-    assert list(read_unit(converted, prepared.bytes, prepared.units[0])) == list(
-        dataset.iter_samples(array, 0, 1)
-    )
+    assert list(read_unit(converted, prepared.bytes, prepared.units[0])) == list(iter_samples(array, 0, 1))
 
 
 def test_a_changed_dataset_is_noticed(tmp_path: Path) -> None:
@@ -218,17 +218,17 @@ def test_a_changed_dataset_is_noticed(tmp_path: Path) -> None:
         (PRETOKENIZED, Pretokenized([5, 6, 7], [0, 1, 1])),
         ({"input_ids": [5, 6, 7]}, Pretokenized([5, 6, 7], [1, 1, 1])),
         ({"input_ids": [0], "loss_mask": None}, Pretokenized([0], [1])),
-        ({"input_ids": "5 6 7"}, dataset.WRONG_SHAPE),
-        ({"input_ids": [5, "6"]}, dataset.WRONG_SHAPE),
-        ({"input_ids": [5, 6.0]}, dataset.WRONG_SHAPE),
-        ({"input_ids": [True, 6]}, dataset.WRONG_SHAPE),
-        ({"input_ids": [5, -1]}, dataset.WRONG_SHAPE),
-        ({"input_ids": None}, dataset.WRONG_SHAPE),
-        ({"input_ids": []}, dataset.EMPTY_CONVERSATION),
-        ({"input_ids": [5, 6], "loss_mask": [1]}, dataset.WRONG_SHAPE),
-        ({"input_ids": [5, 6], "loss_mask": [1, 2]}, dataset.WRONG_SHAPE),
-        ({"input_ids": [5, 6], "loss_mask": "11"}, dataset.WRONG_SHAPE),
-        ({"input_ids": [5, 6], "loss_mask": [0, -1]}, dataset.WRONG_SHAPE),
+        ({"input_ids": "5 6 7"}, codes.WRONG_SHAPE),
+        ({"input_ids": [5, "6"]}, codes.WRONG_SHAPE),
+        ({"input_ids": [5, 6.0]}, codes.WRONG_SHAPE),
+        ({"input_ids": [True, 6]}, codes.WRONG_SHAPE),
+        ({"input_ids": [5, -1]}, codes.WRONG_SHAPE),
+        ({"input_ids": None}, codes.WRONG_SHAPE),
+        ({"input_ids": []}, codes.EMPTY_CONVERSATION),
+        ({"input_ids": [5, 6], "loss_mask": [1]}, codes.WRONG_SHAPE),
+        ({"input_ids": [5, 6], "loss_mask": [1, 2]}, codes.WRONG_SHAPE),
+        ({"input_ids": [5, 6], "loss_mask": "11"}, codes.WRONG_SHAPE),
+        ({"input_ids": [5, 6], "loss_mask": [0, -1]}, codes.WRONG_SHAPE),
     ],
 )
 def test_pretokenized_records(record: dict[str, Any], expected: Pretokenized | str) -> None:
@@ -241,10 +241,10 @@ def test_pretokenized_records(record: dict[str, Any], expected: Pretokenized | s
 
 def test_pretokenized_records_only_in_auto_mode_and_read_by_unit(tmp_path: Path) -> None:
     got = parse_record(_line(PRETOKENIZED), "messages")
-    assert isinstance(got, SampleError) and got.reason == dataset.WRONG_SHAPE
-    assert parse_record(_line(CHAT)) == dataset.parse_line(_line(CHAT))
+    assert isinstance(got, SampleError) and got.reason == codes.WRONG_SHAPE
+    assert parse_record(_line(CHAT)) == parse_line(_line(CHAT))
     bad = parse_record(b'{"input_ids": [1,')
-    assert isinstance(bad, SampleError) and bad.reason == dataset.MALFORMED_JSON
+    assert isinstance(bad, SampleError) and bad.reason == codes.MALFORMED_JSON
 
     path = tmp_path / "tokens.jsonl"
     path.write_bytes(b"\n".join(_line({"input_ids": list(range(k + 1))}) for k in range(5)))
@@ -325,7 +325,7 @@ def test_inspect_head_reads_only_the_head(tmp_path: Path) -> None:
         f"""
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-        from workers.records import inspect_head
+        from hsx.ingest import inspect_head
         print(inspect_head({str(sparse)!r}, 1 << 40))
         """
     )

@@ -13,12 +13,17 @@ from typing import Any
 
 import pytest
 
-from hsx.dataset_uri import ensure_public_host
+from hsx.ingest import (
+    SOURCE_FILE,
+    DatasetError,
+    Pretokenized,
+    ensure_public_host,
+    materialize,
+    parse_record,
+    without_nulls,
+)
 from hsx.settings import Settings
 from tests.fixtures.s3 import S3Bucket
-from workers.dataset import DatasetError
-from workers.records import Pretokenized, parse_record
-from workers.sources import SOURCE_FILE, materialize, without_nulls
 
 datasets = pytest.importorskip("datasets", reason="the interop extra provides datasets for these fixtures")
 

@@ -17,12 +17,11 @@ from typing import Any
 from hsx.contract import EngineInfo
 from hsx.db.session import session_scope
 from hsx.fp8 import STATE_DTYPE_OPTION
+from hsx.ingest import DatasetError, prepare
 from hsx.jobs import recovery
 from hsx.jobs import repository as repo
 from hsx.settings import Settings
-from workers.dataset import DatasetError
 from workers.output_size import OutputProjector, Projection, free_bytes
-from workers.records import prepare
 from workers.unit_processor import TRUNCATE
 
 log = logging.getLogger(__name__)

@@ -33,6 +33,7 @@ from hsx.db.session import retry_db, session_scope
 from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
 from hsx.faults import crash_point
 from hsx.fp8 import STATE_DTYPE_OPTION
+from hsx.ingest import DatasetError, UnitRange, read_unit_records
 from hsx.jobs import engines as job_engines
 from hsx.jobs import recovery
 from hsx.jobs import repository as repo
@@ -41,11 +42,9 @@ from hsx.jobs.queue import wake_idle_workers
 from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
 from hsx.settings import Settings
-from workers.dataset import DatasetError
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
 from workers.lease import LeaseKeeper
-from workers.records import UnitRange, read_unit_records
 from workers.shards import ShardWriteError
 from workers.unit_commit import commit_unit, staged_path
 from workers.unit_processor import TRUNCATE, UnitAborted, UnitProcessor, UnitResult

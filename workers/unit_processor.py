@@ -43,11 +43,11 @@ from hsx.engine_client import (
     EngineUnfit,
 )
 from hsx.fsutil import WRITE_BEHIND_WINDOW
+from hsx.ingest import Pretokenized, Record, SampleError
 from hsx.jobs.repository import ClaimedUnit, LiveCounts, RejectionRow, TruncationRow
 from hsx.layout import state_tensor_names
 from hsx.safetensors_io import DTYPE_SIZES
 from hsx.validation import DTYPE_MISMATCH, ENGINE_TIMEOUT, TOO_LONG, SampleRejected
-from workers.records import Pretokenized, Record
 from workers.shards import ShardInfo, ShardStream, canonical_state_dtype
 
 if TYPE_CHECKING:
@@ -220,7 +220,6 @@ class UnitProcessor:
 
     def _encode(self, index: int, raw: Record, record_id: str | None) -> _Encoded | RejectionRow:
         from workers.chat import EncodeError
-        from workers.dataset import SampleError
 
         if isinstance(raw, SampleError):
             return RejectionRow(index, raw.reason, raw.detail, record_id)

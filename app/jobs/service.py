@@ -17,10 +17,10 @@ from sqlalchemy.orm import Session
 
 from app.jobs import schemas
 from hsx import engine_fitness
-from hsx.dataset_uri import check_dataset_uri, resolve_local_dataset, uri_scheme
 from hsx.db.models import Job, JobState
 from hsx.engine_client import EngineClient, EngineError
 from hsx.errors import BadRequest, Conflict, NotFound, Unprocessable
+from hsx.ingest import inspect_dataset
 from hsx.jobs import document_queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import MANIFEST_NAME
@@ -28,8 +28,6 @@ from hsx.jobs.queue import enqueue_wakeups
 from hsx.jobs.repository import LiveCounts
 from hsx.settings import Settings
 from hsx.validation import RETRIABLE_REASONS
-from workers.dataset import DatasetError
-from workers.records import inspect_head
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +64,7 @@ class JobService:
                 return self._same_request(existing, digest), False
         # Bounded work only: downloading, converting, counting and indexing are the job's first step, done
         # by a worker. A local dataset is vetted and its head read; a remote one is checked without transfer.
-        if uri_scheme(body.dataset_uri, self.settings) == "file":
-            local = resolve_local_dataset(body.dataset_uri, self.settings)
-            dataset_path = str(local.path)
-            try:
-                inspect_head(dataset_path, self.settings.max_dataset_bytes)
-            except DatasetError as exc:
-                raise BadRequest(exc.detail, error=f"dataset_{exc.reason}") from exc
-        else:
-            check_dataset_uri(body.dataset_uri, self.settings)
-            dataset_path = body.dataset_uri
+        dataset_path = inspect_dataset(body.dataset_uri, self.settings).dataset_path
         self._check_engine(body.options)
         job_id = str(uuid.uuid4())
         job = Job(

@@ -1,13 +1,6 @@
-"""Chat datasets: JSONL (one record per line) or a single JSON array, in ``messages`` or ``sharegpt`` form.
-
-Sample numbering is the contract the job table relies on: sample ``i`` is the ``i``-th non-blank line of a
-JSONL file (blank meaning only spaces, tabs and line breaks), or element ``i`` of a JSON array. A record
-that cannot be used becomes a :class:`SampleError` at its own index; it never stops the unit and is never
-skipped, so every index a unit owns is accounted for.
-
-Jobs read each unit by the byte range the job's preparation stored (:mod:`workers.records`); this module
-parses and normalizes records, and :func:`iter_samples` is the plain front-to-back reading that defines
-the numbering.
+"""Chat records in ``messages`` (OpenAI) or ``sharegpt`` form, normalized to one list of
+:class:`ChatMessage` per sample, or the :class:`~hsx.ingest.errors.SampleError` that says why not. A record
+that cannot be used is rejected at its own index; it never stops the unit and is never skipped.
 
 Standard library only.
 """
@@ -15,36 +8,22 @@ Standard library only.
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, TypedDict
 
-from hsx.errors import ReasonError
+from hsx.ingest.errors import (
+    EMPTY_CONVERSATION,
+    INVALID_TOOL_CALL,
+    NO_ASSISTANT_TURN,
+    NON_STRING_CONTENT,
+    UNKNOWN_FORMAT,
+    UNKNOWN_ROLE,
+    UNSUPPORTED_CONTENT_PART,
+    WRONG_SHAPE,
+    SampleError,
+)
 
 RecordFormat = Literal["auto", "messages", "sharegpt"]
-Layout = Literal["jsonl", "json_array"]
 
-# Per-sample rejection reasons; stable strings, stored with each rejected sample.
-MALFORMED_JSON = "malformed_json"
-WRONG_SHAPE = "wrong_shape"
-UNKNOWN_FORMAT = "unknown_format"
-UNKNOWN_ROLE = "unknown_role"
-NON_STRING_CONTENT = "non_string_content"
-UNSUPPORTED_CONTENT_PART = "unsupported_content_part"
-INVALID_TOOL_CALL = "invalid_tool_call"
-EMPTY_CONVERSATION = "empty_conversation"
-NO_ASSISTANT_TURN = "no_assistant_turn"
-
-# File-level reasons raised by DatasetError.
-FILE_NOT_FOUND = "not_found"
-FILE_EMPTY = "empty_file"
-FILE_TOO_LARGE = "too_large"
-FILE_NOT_JSON_LINES = "not_json_lines"
-FILE_UNRECOGNIZED_FORMAT = "unrecognized_format"
-
-_JSON_WHITESPACE = b" \t\r\n"
-_UTF8_BOM = b"\xef\xbb\xbf"
 # OpenAI's ``developer`` role is its newer name for ``system``; templates know only the latter.
 _MESSAGES_ROLES = {
     "system": "system",
@@ -91,78 +70,7 @@ class ChatMessage(TypedDict):
     thinking: NotRequired[str]
 
 
-@dataclass(frozen=True)
-class SampleError:
-    """Why one sample cannot be used: a stable ``reason`` code and a human-readable ``detail``."""
-
-    reason: str
-    detail: str
-
-
 RawSample = list[ChatMessage] | SampleError
-
-
-class DatasetError(ReasonError):
-    """The file as a whole is unusable (raised at submit time, or when an index cannot be built)."""
-
-
-# --- layout and line scanning --------------------------------------------------------------------------
-
-
-def _is_blank(line: bytes) -> bool:
-    return not line.strip(_JSON_WHITESPACE)
-
-
-def detect_layout(path: str | os.PathLike[str]) -> Layout:
-    """``json_array`` when the first non-whitespace byte is ``[``, otherwise ``jsonl``."""
-    with open(path, "rb") as fh:
-        head = fh.read(len(_UTF8_BOM))
-        if head != _UTF8_BOM:
-            fh.seek(0)
-        while chunk := fh.read(1 << 16):
-            stripped = chunk.lstrip(_JSON_WHITESPACE)
-            if stripped:
-                return "json_array" if stripped[:1] == b"[" else "jsonl"
-    return "jsonl"
-
-
-def _load_array(path: str | os.PathLike[str]) -> list[Any]:
-    try:
-        with open(path, "rb") as fh:
-            records = json.loads(fh.read())
-    except (ValueError, RecursionError) as exc:
-        raise DatasetError(FILE_NOT_JSON_LINES, f"not a valid JSON array: {exc}") from exc
-    if not isinstance(records, list):
-        raise DatasetError(FILE_NOT_JSON_LINES, "the top-level JSON value is not an array")
-    return records
-
-
-def _iter_nonblank_lines(path: str | os.PathLike[str], offset: int = 0) -> Iterator[tuple[int, bytes]]:
-    """Yield ``(byte offset, line)`` for every non-blank line at or after ``offset``."""
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        position = offset
-        first = offset == 0
-        for line in fh:
-            start = position
-            position += len(line)
-            if first:
-                first = False
-                if line.startswith(_UTF8_BOM):
-                    line = line[len(_UTF8_BOM) :]
-                    start += len(_UTF8_BOM)
-            if not _is_blank(line):
-                yield start, line
-
-
-def count_samples(path: str | os.PathLike[str]) -> int:
-    """Non-blank lines of a JSONL file, or the length of a JSON array."""
-    if detect_layout(path) == "json_array":
-        return len(_load_array(path))
-    return sum(1 for _ in _iter_nonblank_lines(path))
-
-
-# --- record normalization ------------------------------------------------------------------------------
 
 
 def _text_of(content: Any, where: str) -> str | SampleError:
@@ -308,48 +216,3 @@ def normalize_record(record: Any, record_format: RecordFormat = "auto") -> RawSa
         )
     keys = ", ".join(sorted(str(key) for key in record)[:8])
     return SampleError(UNKNOWN_FORMAT, f"no 'messages' or 'conversations' key (keys: {keys})")
-
-
-def parse_line(line: bytes, record_format: RecordFormat = "auto") -> RawSample:
-    try:
-        record = json.loads(line)
-    except (ValueError, RecursionError) as exc:
-        # ValueError covers JSONDecodeError and UnicodeDecodeError; deep nesting raises RecursionError.
-        return SampleError(MALFORMED_JSON, str(exc)[:200])
-    return normalize_record(record, record_format)
-
-
-def record_format_of(record: Any) -> str | None:
-    if isinstance(record, dict):
-        if "messages" in record:
-            return "messages"
-        if "conversations" in record:
-            return "sharegpt"
-    return None
-
-
-# --- reading -------------------------------------------------------------------------------------------
-
-
-def iter_samples(
-    path: str | os.PathLike[str],
-    start: int,
-    end: int,
-    *,
-    record_format: RecordFormat = "auto",
-) -> Iterator[tuple[int, RawSample]]:
-    """Yield ``(index, sample)`` for ``start <= index < end`` (``end`` clipped to the dataset's size), by
-    scanning from the start of the file: the reference reading of sample numbering. Jobs read a unit by
-    its byte range instead (:mod:`workers.records`)."""
-    if start < 0 or end < start:
-        raise ValueError(f"bad sample range [{start}, {end})")
-    if detect_layout(path) == "json_array":
-        records = _load_array(path)
-        for index in range(start, min(end, len(records))):
-            yield index, normalize_record(records[index], record_format)
-        return
-    for index, (_, line) in enumerate(_iter_nonblank_lines(path)):
-        if index >= end:
-            break
-        if index >= start:
-            yield index, parse_line(line, record_format)

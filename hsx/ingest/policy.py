@@ -1,63 +1,44 @@
-"""Turn the dataset URI of a job request into a local regular file the worker may read, or refuse it.
+"""Which dataset URIs a job may name, checked without transferring anything (the URI policy).
 
 Accepted forms, each only while its scheme is in ``settings.allowed_uri_schemes``:
 
-* a plain path or ``file://`` URI: must resolve, symlinks included, to a regular file under one of
-  ``settings.resolved_dataset_roots`` no larger than ``settings.max_dataset_bytes``. A relative plain path is
-  taken relative to the first root. ``..`` segments and NUL bytes are refused at every percent-decoding
-  level, so ``%2e%2e`` and ``%252e%252e`` are refused too; the realpath containment check is what actually
-  holds the line, the early refusal only makes the reason clear.
-* ``http://`` and ``https://``: downloaded into ``settings.data_dir/downloads`` and named by its sha256. Each
-  hop (redirects are followed by hand, at most :data:`MAX_REDIRECTS`) must name a host whose every address is
-  public, and the connection goes to an address that was checked, never through a second DNS lookup, so DNS
-  rebinding cannot swap in a private address between the check and the connect. TLS is still verified against
-  the host name. Environment proxies are ignored (they would connect on our behalf, unchecked).
-* ``s3://bucket/key``: refused unless the bucket is in ``settings.allowed_buckets``. Only its shape and bucket
-  are checked here (:func:`check_dataset_uri`); the worker that prepares the job reads the object
-  (``workers.sources``), so :func:`resolve_dataset_uri`, which answers with a local file, refuses it.
+* a plain path or ``file://`` URI: must resolve, symlinks included, to a regular file (or a Hugging Face
+  ``datasets`` folder, ``save_to_disk``) under one of ``settings.resolved_dataset_roots``, no larger than
+  ``settings.max_dataset_bytes``. A relative plain path is taken relative to the first root. ``..`` segments
+  and NUL bytes are refused at every percent-decoding level, so ``%2e%2e`` and ``%252e%252e`` are refused
+  too; the realpath containment check is what actually holds the line, the early refusal only makes the
+  reason clear.
+* ``http://`` and ``https://``: the host must resolve to public addresses only (:func:`ensure_public_host`);
+  :mod:`hsx.ingest.fetch` checks every hop again and connects only to an address that was checked.
+* ``s3://bucket/key``: refused unless the bucket is in ``settings.allowed_buckets``; no request is made.
 
-:func:`check_dataset_uri` is what the API runs at submit time: no transfer, and local paths may also name a
-Hugging Face ``datasets`` folder (``save_to_disk``). :func:`resolve_dataset_uri` resolves to one local
-regular file, downloading http(s) first.
-
-Every refusal is a :class:`UriRefused` (a :class:`~hsx.errors.BadRequest` or :class:`~hsx.errors.Forbidden`)
-with a stable ``error`` code.
+:func:`check_dataset_uri` is the whole policy for one URI. Every refusal is a :class:`UriRefused` (a
+:class:`~hsx.errors.BadRequest` or :class:`~hsx.errors.Forbidden`) with a stable ``error`` code.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import ipaddress
 import os
 import re
 import socket
-import ssl
 import stat
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
-
-import httpx
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from hsx.errors import BadRequest, Forbidden, HsxError
 from hsx.settings import Settings
 
-MAX_REDIRECTS = 5
-_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
-_HTTP_SCHEMES = frozenset({"http", "https"})
+HTTP_SCHEMES = frozenset({"http", "https"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_SAFE_SUFFIX = re.compile(r"^\.[A-Za-z0-9]{1,10}$")
 _CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
 # Decoding more layers than this is no longer a plausible file name, only an attempt to outlast the check.
 _MAX_DECODE_ROUNDS = 4
-_CHUNK_BYTES = 1 << 20
 
 # Blocks refused on top of what ``ipaddress`` flags, because its lists vary across Python patch releases
 # (multicast and 100.64/10, for one, were not "private" in every version).
@@ -116,33 +97,17 @@ class ResolvedDataset:
     source_url: str | None = None  # downloads: the URL the bytes came from, after redirects
 
 
-def resolve_dataset_uri(uri: str, settings: Settings) -> ResolvedDataset:
-    """Resolve ``uri`` to a vetted local file, downloading http(s) datasets first."""
-    scheme, is_uri = _checked_scheme(uri, settings)
-    if scheme == "file":
-        return _resolve_local(uri, is_uri, settings)
-    if scheme in _HTTP_SCHEMES:
-        return download_dataset(uri, settings)
-    if scheme == "s3":
-        check_s3_uri(uri, settings)
-        raise InvalidUri(
-            "an s3:// dataset is read by the worker that prepares the job, not resolved to a local file here",
-            error="s3_read_by_worker",
-        )
-    raise InvalidUri(f"scheme {scheme!r} is allowed but hsx cannot read it", error="uri_scheme_not_supported")
-
-
 def check_dataset_uri(uri: str, settings: Settings) -> None:
-    """Refuse what :func:`resolve_dataset_uri` would refuse without transferring anything.
+    """Refuse what :func:`hsx.ingest.fetch.resolve_dataset_uri` would refuse, without transferring anything.
 
     For the API at submit time, so a download of many GiB happens in a worker rather than in a request. A
     remote URI can still fail later (redirects, size, the server); a local one is checked in full.
     """
-    scheme, is_uri = _checked_scheme(uri, settings)
+    scheme = uri_scheme(uri, settings)
     if scheme == "file":
         resolve_local_dataset(uri, settings)
-    elif scheme in _HTTP_SCHEMES:
-        ensure_public_host(_HttpTarget.parse(uri, settings).host)
+    elif scheme in HTTP_SCHEMES:
+        ensure_public_host(HttpTarget.parse(uri, settings).host)
     elif scheme == "s3":
         check_s3_uri(uri, settings)
     else:
@@ -176,12 +141,13 @@ def _checked_scheme(uri: str, settings: Settings) -> tuple[str, bool]:
 # Local files
 
 
-def resolve_local_dataset(uri: str, settings: Settings) -> ResolvedDataset:
-    """A local path or file URI as a vetted regular file or ``datasets`` folder (``save_to_disk``)."""
+def resolve_local_dataset(uri: str, settings: Settings, *, allow_folder: bool = True) -> ResolvedDataset:
+    """A local path or file URI as a vetted regular file or, when ``allow_folder``, ``datasets`` folder
+    (``save_to_disk``)."""
     scheme, is_uri = _checked_scheme(uri, settings)
     if scheme != "file":
         raise InvalidUri(f"{scheme}:// is not a local dataset", error="invalid_uri")
-    return _resolve_local(uri, is_uri, settings, allow_folder=True)
+    return _resolve_local(uri, is_uri, settings, allow_folder)
 
 
 def _resolve_local(uri: str, is_uri: bool, settings: Settings, allow_folder: bool = False) -> ResolvedDataset:
@@ -353,11 +319,13 @@ def ensure_public_host(host: str) -> list[str]:
     return addresses
 
 
-# Downloads
+# http(s) URIs
 
 
 @dataclass(frozen=True)
-class _HttpTarget:
+class HttpTarget:
+    """An http(s) URI that passed the policy: an allowed scheme, no credentials, a host and a port."""
+
     url: str
     scheme: str
     host: str  # ASCII (IDNA) host, without brackets
@@ -366,11 +334,11 @@ class _HttpTarget:
     path_and_query: tuple[str, str]
 
     @classmethod
-    def parse(cls, url: str, settings: Settings) -> _HttpTarget:
+    def parse(cls, url: str, settings: Settings) -> HttpTarget:
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         allowed = {allowed.lower() for allowed in settings.allowed_uri_schemes}
-        if scheme not in _HTTP_SCHEMES or scheme not in allowed:
+        if scheme not in HTTP_SCHEMES or scheme not in allowed:
             raise ForbiddenUri(f"URI scheme {scheme!r} is not allowed here", error="uri_scheme_not_allowed")
         # Credentials would be stored with the job and shown back in its record.
         if parts.username is not None or parts.password is not None:
@@ -389,131 +357,3 @@ class _HttpTarget:
     def pinned_url(self, address: str) -> str:
         netloc = f"[{address}]:{self.port}" if ":" in address else f"{address}:{self.port}"
         return urlunsplit((self.scheme, netloc, *self.path_and_query, ""))
-
-
-def download_dataset(
-    url: str,
-    settings: Settings,
-    *,
-    check_host: HostCheck = ensure_public_host,
-    tls_context: ssl.SSLContext | None = None,
-    into: Path | None = None,
-) -> ResolvedDataset:
-    """Download ``url`` into ``into`` (default ``data_dir/downloads``) and return it as a dataset.
-
-    ``check_host`` vets every hop and returns the addresses to connect to; production passes nothing and
-    gets :func:`ensure_public_host`. Tests inject a check that lets a loopback server through, and
-    ``tls_context`` to trust a test certificate.
-    """
-    deadline = time.monotonic() + settings.http_download_deadline_seconds
-    current = url
-    for _ in range(MAX_REDIRECTS + 1):
-        target = _HttpTarget.parse(current, settings)
-        addresses = check_host(target.host)
-        with _pinned_get(target, addresses, settings, tls_context) as response:
-            if response.status_code in _REDIRECT_STATUSES:
-                location = response.headers.get("location")
-                if not location:
-                    raise InvalidUri(
-                        f"{target.host} sent a redirect without a Location", error="download_failed"
-                    )
-                current = urljoin(current, location)
-                continue
-            if response.status_code != 200:
-                raise InvalidUri(
-                    f"{target.host} answered HTTP {response.status_code}", error="download_failed"
-                )
-            path, size, sha256 = _stage(response, current, settings, deadline, into)
-            return ResolvedDataset(uri=url, path=path, size_bytes=size, sha256=sha256, source_url=current)
-    raise InvalidUri(f"more than {MAX_REDIRECTS} redirects", error="too_many_redirects")
-
-
-@contextmanager
-def _pinned_get(
-    target: _HttpTarget, addresses: list[str], settings: Settings, tls_context: ssl.SSLContext | None
-) -> Iterator[httpx.Response]:
-    """GET ``target`` from the first of the checked ``addresses`` that accepts a connection."""
-    headers = {"Host": target.host_header, "Accept-Encoding": "identity", "User-Agent": "hsx-dataset-fetch"}
-    # The URL names the address, so nothing resolves the host again; SNI and certificate checks use the name.
-    extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
-    last_error: Exception | None = None
-    for address in addresses:
-        # One client per hop: a pooled TLS connection must not carry a request for another host name.
-        client = httpx.Client(
-            trust_env=False,
-            follow_redirects=False,
-            timeout=httpx.Timeout(settings.http_timeout_seconds),
-            verify=tls_context if tls_context is not None else True,
-        )
-        try:
-            try:
-                request = client.build_request(
-                    "GET", target.pinned_url(address), headers=headers, extensions=extensions
-                )
-            except (httpx.InvalidURL, ValueError) as exc:
-                raise InvalidUri(f"the URI is malformed: {exc}", error="invalid_uri") from exc
-            try:
-                response = client.send(request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                last_error = exc
-                continue
-            except httpx.HTTPError as exc:
-                raise InvalidUri(
-                    f"fetching from {target.host} failed: {exc}", error="download_failed"
-                ) from exc
-            try:
-                yield response
-            finally:
-                response.close()
-            return
-        finally:
-            client.close()
-    raise InvalidUri(f"could not connect to {target.host}: {last_error}", error="download_failed")
-
-
-def _stage(
-    response: httpx.Response, url: str, settings: Settings, deadline: float, into: Path | None
-) -> tuple[Path, int, str]:
-    """Stream the body into a staging file, then rename it to its sha256. Returns path, size, digest."""
-    limit = settings.max_dataset_bytes
-    declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise InvalidUri(
-            f"the dataset is {declared} bytes, over the limit of {limit}", error="dataset_too_large"
-        )
-    downloads = (into or settings.data_dir / "downloads").resolve()
-    downloads.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    size = 0
-    fd, partial_name = tempfile.mkstemp(dir=downloads, prefix=".partial-")
-    partial = Path(partial_name)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            try:
-                for chunk in response.iter_bytes(_CHUNK_BYTES):
-                    size += len(chunk)
-                    # Counted after decoding, so a compressed body cannot expand past the limit.
-                    if size > limit:
-                        raise InvalidUri(
-                            f"the dataset is over the limit of {limit} bytes", error="dataset_too_large"
-                        )
-                    if time.monotonic() > deadline:
-                        raise InvalidUri("the download took too long", error="download_failed")
-                    digest.update(chunk)
-                    out.write(chunk)
-            except httpx.HTTPError as exc:
-                raise InvalidUri(f"the download broke off: {exc}", error="download_failed") from exc
-            out.flush()
-            os.fsync(out.fileno())
-        final = downloads / f"{digest.hexdigest()}{_suffix_of(url)}"
-        os.replace(partial, final)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    return final, size, digest.hexdigest()
-
-
-def _suffix_of(url: str) -> str:
-    """The URL path's file suffixes (``.jsonl``, ``.json.gz``) when they are plain, for format detection."""
-    suffixes = Path(unquote(urlsplit(url).path)).suffixes[-2:]
-    return "".join(suffix for suffix in suffixes if _SAFE_SUFFIX.match(suffix))

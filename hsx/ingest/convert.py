@@ -1,25 +1,23 @@
-"""Dataset sources: a job's dataset URI as one local JSONL file of records, made by the worker that
-prepares the job (never inside an API request).
+"""Conversion of a job's dataset to the prepared JSONL: one local file of records, one per line, made by
+the worker that prepares the job (never inside an API request).
 
-``materialize(dataset_uri, dest_dir, settings)`` accepts what :func:`hsx.dataset_uri.check_dataset_uri`
+``materialize(dataset_uri, dest_dir, settings)`` accepts what :func:`hsx.ingest.policy.check_dataset_uri`
 accepts, and checks it again here:
 
 * a local path or ``file://`` URI under the dataset roots: a JSONL file is returned as it is (no copy); a
   JSON array, a Parquet file or a Hugging Face ``datasets`` folder (``save_to_disk``; for a DatasetDict,
   its ``train`` split or its only split) is converted;
-* ``http(s)://``: downloaded through the guarded client of :mod:`hsx.dataset_uri` (public addresses only,
-  pinned connections, size and time limits) into ``dest_dir/downloads``, then as above;
-* ``s3://bucket/key`` (an allowed bucket): the object, or a ``datasets`` folder stored under the prefix
-  ``key/``, fetched into ``dest_dir/downloads`` with the size limit, then as above.
+* ``http(s)://`` and ``s3://bucket/key``: fetched by :mod:`hsx.ingest.fetch` (public addresses only,
+  pinned connections, an allowed bucket, size and time limits) into ``dest_dir/downloads``, then as above.
 
 A converted file is ``dest_dir/source.jsonl``, written under a temp name, fsynced and renamed, so it is
-whole or absent. Record ``i`` is line ``i``: the sample numbering of :mod:`workers.dataset`. Parquet and
+whole or absent. Record ``i`` is line ``i``: the sample numbering of :mod:`hsx.ingest.files`. Parquet and
 Arrow give every row every column and every struct every field, so a value that is null is written as an
 absent key (that is how the same record reads in JSONL); values stored as JSON text (the ``arrow.json``
 type ``datasets`` uses for objects whose keys differ) are decoded; dates become ISO text and binary values
 base64 text. Columns are read with pyarrow alone: no ``datasets`` package at run time.
 
-Every refusal is a :class:`workers.dataset.DatasetError` with a stable reason.
+Every refusal is a :class:`hsx.ingest.errors.DatasetError` with a stable reason.
 """
 
 from __future__ import annotations
@@ -27,35 +25,31 @@ from __future__ import annotations
 import base64
 import datetime
 import decimal
-import hashlib
 import json
 import os
 import secrets
-import shutil
 from collections.abc import Callable, Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
-from hsx.dataset_uri import (
+from hsx.fsutil import fsync_dir
+from hsx.ingest.errors import DatasetError
+from hsx.ingest.fetch import download_dataset, fetch_s3
+from hsx.ingest.files import PARQUET_MAGIC, detect_layout, load_array
+from hsx.ingest.policy import (
     HostCheck,
     UriRefused,
     check_dataset_uri,
-    check_s3_uri,
-    download_dataset,
     ensure_public_host,
     is_datasets_folder,
     resolve_local_dataset,
     uri_scheme,
 )
-from hsx.fsutil import fsync_dir
 from hsx.settings import Settings
-from workers.dataset import DatasetError, _load_array, detect_layout
 
 SOURCE_FILE = "source.jsonl"
 DOWNLOADS_DIR = "downloads"
-PARQUET_MAGIC = b"PAR1"
 _BATCH_ROWS = 1024
-_CHUNK_BYTES = 1 << 20
 
 
 def materialize(
@@ -75,7 +69,7 @@ def materialize(
             downloads = Path(dest_dir) / DOWNLOADS_DIR
             source = download_dataset(dataset_uri, settings, check_host=check_host, into=downloads).path
         elif scheme == "s3":
-            source = _fetch_s3(dataset_uri, Path(dest_dir) / DOWNLOADS_DIR, settings)
+            source = fetch_s3(dataset_uri, Path(dest_dir) / DOWNLOADS_DIR, settings)
         else:
             check_dataset_uri(dataset_uri, settings)  # refuses a scheme hsx cannot read, saying so
             raise DatasetError("uri_scheme_not_supported", f"{scheme}:// datasets cannot be read")
@@ -209,7 +203,7 @@ def _parquet_records(path: Path) -> Iterator[Any]:
 
 
 def _array_records(path: Path) -> Iterator[Any]:
-    yield from _load_array(path)
+    yield from load_array(path)
 
 
 def _folder_records(folder: Path) -> Iterator[Any]:
@@ -277,109 +271,3 @@ def _plain_name(name: str) -> str:
             "unreadable_datasets_folder", f"file name {name!r} in the folder's metadata is not plain"
         )
     return name
-
-
-# --- s3 ---------------------------------------------------------------------------------------------------
-
-
-def _fetch_s3(uri: str, downloads: Path, settings: Settings) -> Path:
-    """The object (or the ``datasets`` folder stored under ``key/``) copied into ``downloads``."""
-    from hsx.storage.s3 import StorageError, s3_client, storage_error
-
-    location = check_s3_uri(uri, settings)
-    client = s3_client(settings)
-    downloads.mkdir(parents=True, exist_ok=True)
-    try:
-        if not location.key.endswith("/"):
-            try:
-                head = client.head_object(Bucket=location.bucket, Key=location.key)
-            except Exception as exc:  # noqa: BLE001 - mapped, and a missing object may be a folder prefix
-                error = storage_error(exc, uri)
-                if error.error != "not_found":
-                    raise error from exc
-            else:
-                return _fetch_object(
-                    client, location.bucket, location.key, int(head["ContentLength"]), downloads, settings
-                )
-        return _fetch_folder(client, location.bucket, location.key.rstrip("/") + "/", downloads, settings)
-    except StorageError as exc:
-        raise DatasetError(exc.error, exc.detail) from exc
-
-
-def _fetch_object(client: Any, bucket: str, key: str, size: int, downloads: Path, settings: Settings) -> Path:
-    from hsx.storage.s3 import storage_error
-
-    if size > settings.max_dataset_bytes:
-        raise DatasetError(
-            "too_large", f"s3://{bucket}/{key} is {size} bytes, the limit is {settings.max_dataset_bytes}"
-        )
-    partial = downloads / f".partial-{secrets.token_hex(6)}"
-    digest = hashlib.sha256()
-    received = 0
-    try:
-        body = client.get_object(Bucket=bucket, Key=key)["Body"]
-        with open(partial, "wb") as out:
-            for chunk in body.iter_chunks(_CHUNK_BYTES):
-                received += len(chunk)
-                if received > settings.max_dataset_bytes:
-                    raise DatasetError("too_large", f"s3://{bucket}/{key} grew past the limit while read")
-                digest.update(chunk)
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        if received != size:
-            raise DatasetError("download_failed", f"s3://{bucket}/{key}: {received} of {size} bytes arrived")
-        suffix = "".join(PurePosixPath(key).suffixes[-2:])
-        final = downloads / f"{digest.hexdigest()}{suffix if suffix.replace('.', '').isalnum() else ''}"
-        os.replace(partial, final)
-    except DatasetError:
-        partial.unlink(missing_ok=True)
-        raise
-    except Exception as exc:
-        partial.unlink(missing_ok=True)
-        raise storage_error(exc, f"s3://{bucket}/{key}") from exc
-    return final
-
-
-def _fetch_folder(client: Any, bucket: str, prefix: str, downloads: Path, settings: Settings) -> Path:
-    from hsx.storage.s3 import storage_error
-
-    try:
-        objects = [
-            item
-            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-            for item in page.get("Contents", [])
-        ]
-    except Exception as exc:
-        raise storage_error(exc, f"s3://{bucket}/{prefix}") from exc
-    names = {item["Key"][len(prefix) :] for item in objects}
-    if not objects:
-        raise DatasetError("not_found", f"s3://{bucket}/{prefix.rstrip('/')}: no such object or folder")
-    if not names & {"state.json", "dataset_dict.json"}:
-        raise DatasetError(
-            "unsupported_format", f"s3://{bucket}/{prefix} is a prefix but not a datasets folder"
-        )
-    total = sum(int(item["Size"]) for item in objects)
-    if total > settings.max_dataset_bytes:
-        raise DatasetError(
-            "too_large", f"the folder is {total} bytes, the limit is {settings.max_dataset_bytes}"
-        )
-    staging = downloads / f".partial-{secrets.token_hex(6)}"
-    final = downloads / hashlib.sha256(f"s3://{bucket}/{prefix}".encode()).hexdigest()
-    try:
-        for item in objects:
-            relative = PurePosixPath(item["Key"][len(prefix) :])
-            if not relative.parts or any(part in ("", ".", "..") for part in relative.parts):
-                raise DatasetError("unsupported_format", f"object key {item['Key']!r} is not a plain path")
-            target = staging.joinpath(*relative.parts)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            client.download_file(bucket, item["Key"], str(target))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-    except DatasetError:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    except Exception as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise storage_error(exc, f"s3://{bucket}/{prefix}") from exc
-    return final

@@ -3,11 +3,11 @@
 Preparing (the first step of a job, done by one worker under a lease, never inside the API request):
 the dataset becomes a local JSONL file (a local JSONL dataset is used in place; a JSON array, Parquet, a
 ``datasets`` folder or a remote dataset is converted or fetched once into ``<output_dir>/.prepared/`` by
-:mod:`workers.sources`), which is scanned once to find where every unit's records
-begin and end. A unit then reads exactly its own bytes: the cost of a unit does not grow with the
-dataset, and no index is loaded per unit.
+:mod:`hsx.ingest.convert`), which is scanned once to find where every unit's records begin and end. A unit
+then reads exactly its own bytes: the cost of a unit does not grow with the dataset, and no index is loaded
+per unit.
 
-Sample numbering is that of :mod:`workers.dataset`: sample ``i`` is the ``i``-th non-blank line. A record
+Sample numbering is that of :mod:`hsx.ingest.files`: sample ``i`` is the ``i``-th non-blank line. A record
 may also be pre-tokenized (``{"input_ids": [...], "loss_mask": [...]}``): it skips the chat template. A
 record's own ``id`` (or ``conversation_id``) is read with it, so a rejection can name it.
 """
@@ -22,23 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsx.settings import Settings, get_settings
-from workers.dataset import (
+from hsx.ingest.conversations import RawSample, RecordFormat, normalize_record
+from hsx.ingest.convert import as_jsonl, materialize
+from hsx.ingest.errors import (
+    DATASET_CHANGED,
     EMPTY_CONVERSATION,
+    FILE_NOT_FOUND,
     MALFORMED_JSON,
     WRONG_SHAPE,
     DatasetError,
-    RawSample,
-    RecordFormat,
     SampleError,
-    _iter_nonblank_lines,
-    _load_array,
-    detect_layout,
-    normalize_record,
 )
+from hsx.ingest.files import JSON_WHITESPACE, UTF8_BOM, iter_nonblank_lines
+from hsx.settings import Settings, get_settings
 
 PREPARED_DIR = ".prepared"
-DATASET_CHANGED = "dataset_changed"
 
 
 @dataclass(frozen=True)
@@ -75,12 +73,10 @@ def prepared_dir(output_dir: str | os.PathLike[str]) -> Path:
 def local_records(dataset: str, work_dir: Path, settings: Settings | None = None) -> str:
     """A local JSONL file holding the dataset's records, one per line: a local JSONL file as it is;
     anything else (a JSON array, Parquet, a ``datasets`` folder, an http(s) or s3:// URI) converted or
-    fetched once into ``work_dir`` by :mod:`workers.sources`."""
-    from workers import sources
-
+    fetched once into ``work_dir`` by :mod:`hsx.ingest.convert`."""
     if os.path.exists(dataset):
-        return str(sources.as_jsonl(Path(dataset), work_dir))
-    return str(sources.materialize(dataset, work_dir, settings or get_settings()))
+        return str(as_jsonl(Path(dataset), work_dir))
+    return str(materialize(dataset, work_dir, settings or get_settings()))
 
 
 # Called with every record's line during the planning pass (the output's size is projected from them).
@@ -96,7 +92,7 @@ def plan_units(
     size = os.stat(records_path).st_size
     starts: list[int] = []
     samples = 0
-    for offset, line in _iter_nonblank_lines(records_path):
+    for offset, line in iter_nonblank_lines(records_path):
         if samples % samples_per_unit == 0:
             starts.append(offset)
         if observe is not None:
@@ -211,12 +207,12 @@ def read_unit_records(
             fh.seek(unit.byte_start)
             blob = fh.read(unit.byte_end - unit.byte_start)
     except FileNotFoundError as exc:
-        raise DatasetError("not_found", f"{records_path} is gone since the job was prepared") from exc
-    if unit.byte_start == 0 and blob.startswith(b"\xef\xbb\xbf"):
-        blob = blob[3:]
+        raise DatasetError(FILE_NOT_FOUND, f"{records_path} is gone since the job was prepared") from exc
+    if unit.byte_start == 0 and blob.startswith(UTF8_BOM):
+        blob = blob[len(UTF8_BOM) :]
     index = unit.sample_start
-    for line in blob.split(b"\n"):  # the same line breaks as workers.dataset counts
-        if not line.strip(b" \t\r\n"):
+    for line in blob.split(b"\n"):  # the same line breaks as hsx.ingest.files counts
+        if not line.strip(JSON_WHITESPACE):
             continue
         if index >= unit.sample_end:
             raise DatasetError(
@@ -229,58 +225,3 @@ def read_unit_records(
             DATASET_CHANGED,
             f"unit holds {index - unit.sample_start} records, expected {unit.sample_end - unit.sample_start}",
         )
-
-
-def inspect_head(path: str, max_bytes: int, head_records: int = 8) -> str:
-    """The submit-time check, bounded in cost whatever the file's size: the size limit, and that the first
-    records are JSON objects of a known kind. Returns the format guess; raises :class:`DatasetError`."""
-    try:
-        size = os.stat(path).st_size
-    except OSError as exc:
-        raise DatasetError("not_found", f"cannot read {path}: {exc.strerror}") from exc
-    if size > max_bytes:
-        raise DatasetError("too_large", f"{size} bytes, the limit is {max_bytes}")
-    if os.path.isdir(path):
-        return "deferred"  # a datasets folder: read by the worker that prepares the job
-    with open(path, "rb") as fh:
-        if fh.read(4) == b"PAR1":
-            return "deferred"  # Parquet, likewise
-    head: list[Any] = []
-    if detect_layout(path) == "json_array":
-        if size > SMALL_ARRAY_BYTES:
-            return "deferred"  # parsed once by the worker that prepares the job
-        head = _load_array(path)[:head_records]
-    else:
-        for _, line in _iter_nonblank_lines(path):
-            try:
-                head.append(json.loads(line))
-            except (ValueError, RecursionError):
-                head.append(None)
-            if len(head) >= head_records:
-                break
-    if not head:
-        raise DatasetError("empty_file", "the file holds no records")
-    if not any(isinstance(record, dict) for record in head):
-        raise DatasetError("not_json_lines", f"none of the first {len(head)} records is a JSON object")
-    kinds = {kind for kind in map(record_kind, head) if kind is not None}
-    if not kinds:
-        raise DatasetError(
-            "unrecognized_format",
-            "records have neither 'messages', 'conversations' (sharegpt) nor 'input_ids' (pre-tokenized)",
-        )
-    return kinds.pop() if len(kinds) == 1 else "mixed"
-
-
-# A JSON array this small is parsed at submit, so a wrong file is refused at once; larger ones by the worker.
-SMALL_ARRAY_BYTES = 16 << 20
-
-
-def record_kind(record: Any) -> str | None:
-    if isinstance(record, dict):
-        if "messages" in record:
-            return "messages"
-        if "conversations" in record:
-            return "sharegpt"
-        if "input_ids" in record:
-            return "pretokenized"
-    return None
