@@ -169,17 +169,27 @@ def test_a_corrupt_scale_is_refused(tmp_path: Path, value: float) -> None:
         list(loader.iter_samples(out, verify_checksums=True))
 
 
-def test_fp8_stream_rejects_non_finite_input_and_rewinds(tmp_path: Path) -> None:
+@pytest.mark.parametrize("check_every_chunk", [True, False])
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf, -np.inf])
+def test_fp8_stream_rejects_non_finite_input_and_rewinds(
+    tmp_path: Path, check_every_chunk: bool, bad_value: float
+) -> None:
     rng = np.random.default_rng(10)
     names = dump_tensor_names("post")
     good, bad, after = random_samples(rng, [4, 6, 5], 0, "F32", names)
-    bad.states[names[-1]][5, 3] = np.nan
+    bad.states[names[-1]][5, 3] = bad_value  # in the last chunk of the last tensor: 64-byte rows, 2 a chunk
     stream = ShardStream(
-        tmp_path / "shard.safetensors", dtype="F32", dump_tensors=names, capacity=3, store_fp8=True
+        tmp_path / "shard.safetensors",
+        dtype="F32",
+        dump_tensors=names,
+        capacity=3,
+        store_fp8=True,
+        chunk_bytes=128,
     )
     add_sample(stream, tmp_path / "dumps", good)
     with pytest.raises(SampleRejected) as caught:
-        add_sample(stream, tmp_path / "dumps", bad)
+        # Without check_every_chunk (the engine counted none) the scales still catch it.
+        add_sample(stream, tmp_path / "dumps", bad, check_every_chunk=check_every_chunk)
     assert caught.value.reason == NON_FINITE
     add_sample(stream, tmp_path / "dumps", after)
     info = stream.finish()
