@@ -260,7 +260,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-BENCHES = ("pipeline", "e2e", "memory", "api", "scale", "submit", "stream")
+BENCHES = ("pipeline", "e2e", "memory", "api", "scale", "submit", "stream", "fp8", "fp8_error")
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -386,7 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-url")
     p.add_argument("--dump-dir")
     p.add_argument("--reference", action="store_true", help="also compare values with a transformers forward")
-    p.add_argument("--job", help="also say whether the engine may serve this job (and why not)")
+    p.add_argument(
+        "--job",
+        help="also say whether the engine may serve this job (and why not); for an fp8 job, check a few of "
+        "its stored samples against the engine's states (within the bound of docs/format.md)",
+    )
     p.add_argument("--api-url", default=settings.api_url)
     p.set_defaults(func=cmd_verify)
 

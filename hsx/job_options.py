@@ -51,6 +51,11 @@ class JobOptions(BaseModel):
         description="Send each request its own cache namespace (SGLang extra_key) as a second guard. It does "
         "not make a prefix-cached engine acceptable: such an engine is refused whatever this says.",
     )
+    state_dtype: Literal["engine", "fp8_e4m3"] = Field(
+        "engine",
+        description="How the shards store the states: the engine's dtype, or fp8 e4m3 with one float32 "
+        "scale per token per tensor (half the bytes of bf16; schema 3, error bound in docs/format.md).",
+    )
     retention: Literal["keep", "consume"] = Field(
         "keep",
         description="keep: the output stays whole; consume: shards are deleted once a consumer acknowledges "

@@ -11,6 +11,7 @@ drift apart; a parser refuses what its writer would never produce. Formats: docs
 - Shard files: ``shard-NNNNN.safetensors`` once published; ``.shard-NNNNN.aA.staged`` while attempt ``A``
   of unit ``NNNNN`` writes it (hidden, so listings of a live output show finished shards only).
 - Lease owner: ``host:pid@engine_url``, the worker process that holds a unit and the engine it feeds.
+- fp8 scales (schema 3): ``s<k>.<state tensor>.scale`` F32 [T_k] right after the codes it scales.
 - Schema version of the manifest (and so of the shards it lists).
 - Atomic publication: write a temp file beside the target, fsync, rename over it, fsync the directory, so
   a reader sees the old file or the new one, never a part, and a crash leaves at most a ``.tmp`` file.
@@ -28,10 +29,14 @@ from pathlib import Path
 from hsx.fsutil import fsync_dir
 
 # --- schema ------------------------------------------------------------------------------------------
+# 3: schema 2 with fp8 states: e4m3 codes plus a per-token float32 scale per state tensor. Written by a
+#    job with state_dtype "fp8_e4m3"; a job that keeps the engine's dtype still writes 2, so readers that
+#    predate fp8 keep reading it.
 # 2: shards written as a stream (per-sample state tensors, data and header hashed apart; docs/format.md).
-# 1: shards with every state tensor concatenated, one sha256 over the whole file. Both are read.
+# 1: shards with every state tensor concatenated, one sha256 over the whole file. All are read.
 SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
+FP8_SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 MANIFEST_FILE = "manifest.json"
 
 # --- per-sample state tensors ------------------------------------------------------------------------
@@ -93,6 +98,17 @@ def sample_tensor_name(position: int, state_tensor: str) -> str:
     if position < 0 or not state_tensor:
         raise ValueError(f"cannot name sample {position}'s tensor {state_tensor!r}")
     return f"s{position}.{state_tensor}"
+
+
+# Schema 3: the per-token float32 scales [T_k] of an fp8 state tensor follow it, named after it.
+SCALE_SUFFIX = ".scale"
+
+
+def scale_tensor_name(shard_tensor: str) -> str:
+    """The scales of an fp8 shard tensor: ``s<k>.hidden.<i>`` -> ``s<k>.hidden.<i>.scale``."""
+    if not shard_tensor or shard_tensor.endswith(SCALE_SUFFIX):
+        raise ValueError(f"cannot name the scales of {shard_tensor!r}")
+    return f"{shard_tensor}{SCALE_SUFFIX}"
 
 
 def parse_sample_tensor_name(name: str) -> tuple[int, str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from hsx.contract import LAYER_CONVENTION
 from hsx.layout import FINAL_STATES as FINAL_STATES  # the schema's names live in hsx.layout
+from hsx.layout import FP8_SCHEMA_VERSION as FP8_SCHEMA_VERSION
 from hsx.layout import MANIFEST_FILE as MANIFEST_FILE
 from hsx.layout import READABLE_SCHEMA_VERSIONS as READABLE_SCHEMA_VERSIONS
 from hsx.layout import SCHEMA_VERSION as SCHEMA_VERSION
@@ -21,6 +22,7 @@ from hsx.layout import write_atomically
 
 # The shard's state tensors use safetensors dtype names, so the manifest does too (no aliases here).
 STATE_DTYPES = ("BF16", "F16", "F32")
+FP8_DTYPE = "F8_E4M3"  # schema 3 only; source_dtype then names what the engine produced
 
 
 class ManifestError(Exception):
@@ -78,7 +80,7 @@ class Manifest:
     chat_template_sha256: str
     aux_layer_ids: list[int]
     hf_indices: list[int]  # the aux layers' HF indices, then the final state's
-    dtype: str  # safetensors name of the state tensors: BF16, F16 or F32
+    dtype: str  # safetensors name of the state tensors: BF16, F16, F32, or F8_E4M3 (schema 3)
     hidden_size: int
     counts: Counts = field(default_factory=Counts)
     shards: list[ShardEntry] = field(default_factory=list)
@@ -90,14 +92,23 @@ class Manifest:
     engine: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    # Schema 3 (dtype F8_E4M3): the engine's dtype the states were quantized from (BF16, F16 or F32).
+    source_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.final_state not in FINAL_STATES:
             raise ManifestError(f"final_state {self.final_state!r} is not one of {FINAL_STATES}")
         if self.schema_version == 1 and self.final_state != "post":
             raise ManifestError("a schema 1 manifest can only hold the post-norm final state")
-        if self.dtype not in STATE_DTYPES:
-            raise ManifestError(f"dtype {self.dtype!r} is not one of {STATE_DTYPES} (safetensors names)")
+        if self.dtype == FP8_DTYPE:
+            if self.schema_version < FP8_SCHEMA_VERSION:
+                raise ManifestError(f"dtype {FP8_DTYPE} needs schema_version {FP8_SCHEMA_VERSION}")
+            if self.source_dtype not in STATE_DTYPES:
+                raise ManifestError(f"source_dtype {self.source_dtype!r} is not one of {STATE_DTYPES}")
+        elif self.dtype not in STATE_DTYPES:
+            raise ManifestError(
+                f"dtype {self.dtype!r} is not one of {(*STATE_DTYPES, FP8_DTYPE)} (safetensors names)"
+            )
         if len(self.hf_indices) != len(self.aux_layer_ids) + 1:
             raise ManifestError("hf_indices must list each aux layer and then the final state")
 
@@ -131,6 +142,7 @@ class Manifest:
                 engine=dict(raw.get("engine", {})),
                 extra=dict(raw.get("extra", {})),
                 schema_version=version,
+                source_dtype=raw.get("source_dtype"),
             )
         except (KeyError, TypeError) as exc:
             raise ManifestError(f"manifest is missing or has a malformed field: {exc}") from exc

@@ -35,20 +35,23 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from hsx.loader import OutputReader, Sample
-from hsx.manifest import Manifest
+from hsx.manifest import FP8_DTYPE, Manifest
 
 Item = dict[str, Any]
 STATE_FIELDS = ("hidden_state", "aux_hidden_state", "final_pre_norm")
 
 
-def _states(words: npt.NDArray[Any], bf16: bool) -> torch.Tensor:
+def _states(words: npt.NDArray[Any], bf16: bool, to_bf16: bool = False) -> torch.Tensor:
     if bf16:  # uint16 words of bf16 values: the same bits reinterpreted, no copy
         return torch.from_numpy(words.view(np.int16)).view(torch.bfloat16)
+    if to_bf16:
+        return torch.from_numpy(words).to(torch.bfloat16)
     return torch.from_numpy(words)
 
 
-def sample_item(sample: Sample, bf16: bool) -> Item:
-    """One sample (read with ``raw_bf16`` when the shards are BF16) as a dict of tensors."""
+def sample_item(sample: Sample, bf16: bool, to_bf16: bool = False) -> Item:
+    """One sample (read with ``raw_bf16`` when the shards are BF16) as a dict of tensors; ``to_bf16``
+    narrows float32 states (an fp8 output's, dequantized by the reader) to bfloat16."""
     item: Item = {
         "index": sample.index,
         "input_ids": torch.from_numpy(sample.input_ids.astype(np.int64)),
@@ -57,7 +60,7 @@ def sample_item(sample: Sample, bf16: bool) -> Item:
     for name in STATE_FIELDS:
         value = getattr(sample, name, None)
         if value is not None:
-            item[name] = _states(value, bf16)
+            item[name] = _states(value, bf16, to_bf16)
     return item
 
 
@@ -90,6 +93,7 @@ class OutputDataset(Dataset[Item]):
         self.output_dir = Path(output_dir)
         self.manifest = Manifest.load(self.output_dir)
         self._bf16 = self.manifest.dtype == "BF16"
+        self._fp8 = self.manifest.dtype == FP8_DTYPE  # dequantized by the reader, handed on as bf16
         self._length = sum(entry.samples for entry in self.manifest.shards)
         self._reader = _ProcessLocalReader(self.output_dir, verify_checksums)
 
@@ -97,7 +101,7 @@ class OutputDataset(Dataset[Item]):
         return self._length
 
     def __getitem__(self, i: int) -> Item:
-        return sample_item(self._reader.get()[i], self._bf16)
+        return sample_item(self._reader.get()[i], self._bf16, self._fp8)
 
 
 def split_shards(counts: Sequence[int], parts: int, order: Sequence[int] | None = None) -> list[list[int]]:
@@ -156,6 +160,7 @@ class ShardedIterableDataset(IterableDataset[Item]):
         self.seed = seed
         self.epoch = 0
         self._bf16 = self.manifest.dtype == "BF16"
+        self._fp8 = self.manifest.dtype == FP8_DTYPE
         self._reader = _ProcessLocalReader(self.output_dir, verify_checksums)
 
     def set_epoch(self, epoch: int) -> None:
@@ -177,7 +182,7 @@ class ShardedIterableDataset(IterableDataset[Item]):
         reader = self._reader.get()
         for shard in self.shards_for(worker, num_workers):
             for sample in reader.iter_shard(shard):
-                yield sample_item(sample, self._bf16)
+                yield sample_item(sample, self._bf16, self._fp8)
 
 
 def collate_samples(

@@ -9,7 +9,8 @@ byte, where the job may rely on the engine's count and its copy-time check).
 
 It also says why an engine is unfit, before any prompt: a protocol it does not speak, a prefix cache
 that is on, and, given a job (its engine record and options), how it differs from the engine that job
-started with (``hsx verify --job ID``; see :mod:`hsx.engine_fitness`).
+started with (``hsx verify --job ID``; see :mod:`hsx.engine_fitness`); for an fp8 job, also that a few of
+its stored samples are within the documented error bound of this engine's states (:mod:`hsx.verify_fp8`).
 
 No torch: the API runs this. A torch comparison against transformers plugs in through ``dump_check``.
 """
@@ -97,6 +98,11 @@ def run_verification(
             ids = list(tokenizer.encode(text).ids) if tokenizer else [3 + b for b in text.encode()]
             rid = f"{contract.RID_PREFIX}{tag}-{run_id}-{label}"
             _check_prompt(client, info, directory, label, ids, rid, dump_check, dump_wait_seconds, checks)
+        if job is not None:
+            from hsx.verify_fp8 import fp8_job_checks
+
+            # An fp8 job: a few of its stored samples against this engine's states for the same tokens.
+            checks.extend(fp8_job_checks(client, info, directory, job, dump_wait_seconds=dump_wait_seconds))
     return _report(checks)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from hsx.contract import EngineInfo
 from hsx.db.session import session_scope
+from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.ingest import DatasetError, prepare
 from hsx.job_options import JobOptions
 from hsx.jobs import recovery
@@ -55,6 +56,7 @@ class JobPreparer:
             options.truncation,
             encoder,
             self.settings.projection_sample_records,
+            store_fp8=options.state_dtype == STATE_DTYPE_OPTION,
         )
         try:
             with self._lease():

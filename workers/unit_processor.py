@@ -135,6 +135,7 @@ class UnitProcessor:
         max_length: int | None = None,
         truncation: str = TRUNCATE,
         write_behind: int = WRITE_BEHIND_WINDOW,
+        store_fp8: bool = False,
     ) -> None:
         self.client = client
         self.info = info
@@ -150,6 +151,8 @@ class UnitProcessor:
         self.max_length = max_length
         self.truncation = truncation
         self.write_behind = write_behind
+        # The job's state_dtype "fp8_e4m3": the shard holds e4m3 codes and per-token scales (schema 3).
+        self.store_fp8 = store_fp8
         self.dtype = canonical_state_dtype(info.dtype)
         self.tensors = dump_tensors(info)
         self.bytes_per_token = info.hidden_size * DTYPE_SIZES[self.dtype] * len(self.tensors)
@@ -274,6 +277,7 @@ class UnitProcessor:
                     dump_tensors=self.tensors,
                     capacity=unit.sample_end - unit.sample_start,
                     write_behind=self.write_behind,
+                    store_fp8=self.store_fp8,
                 )
             counted = outcome.meta.non_finite is not None and all(
                 name in outcome.meta.non_finite for name in self.tensors

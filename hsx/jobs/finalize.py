@@ -8,10 +8,21 @@ from pathlib import Path
 
 from hsx.db.models import JobState, UnitState
 from hsx.db.session import session_scope
+from hsx.fp8 import STATE_DTYPE_OPTION
+from hsx.job_options import JobOptions
 from hsx.jobs import queries
 from hsx.jobs import repository as repo
 from hsx.layout import is_temp_name, parse_staged_shard_name
-from hsx.manifest import Counts, Manifest, ModelInfo, ShardEntry, relative_shard_path
+from hsx.manifest import (
+    FP8_DTYPE,
+    FP8_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+    Counts,
+    Manifest,
+    ModelInfo,
+    ShardEntry,
+    relative_shard_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +43,8 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
         shards = queries.list_shards(session, job_id)
         engine = job.engine or {}
         out = Path(job.output_dir)
+        engine_dtype = str(engine.get("state_dtype", ""))
+        fp8 = JobOptions.from_stored(job.options).state_dtype == STATE_DTYPE_OPTION
         manifest = Manifest(
             job_id=job.id,
             model=ModelInfo(
@@ -44,7 +57,9 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
             chat_template_sha256=str(engine.get("chat_template_sha256", "")),
             aux_layer_ids=list(engine.get("aux_layer_ids", [])),
             hf_indices=list(engine.get("hf_indices", [])),
-            dtype=str(engine.get("state_dtype", "")),
+            dtype=FP8_DTYPE if fp8 else engine_dtype,
+            source_dtype=engine_dtype if fp8 else None,
+            schema_version=FP8_SCHEMA_VERSION if fp8 else SCHEMA_VERSION,
             hidden_size=int(engine.get("hidden_size", 0)),
             counts=Counts(
                 samples=job.samples_done,
