@@ -8,6 +8,7 @@ the previous manifest or the new one. Format: docs/format.md. Standard library o
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -172,3 +173,44 @@ class Manifest:
         if not isinstance(raw, dict):
             raise ManifestError(f"{path} does not hold a JSON object")
         return cls.from_dict(raw)
+
+
+def job_manifest(
+    job_id: str,
+    engine: Mapping[str, Any],
+    *,
+    fp8: bool,
+    counts: Counts | None = None,
+    shards: list[ShardEntry] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Manifest:
+    """The manifest of a job from the engine record its workers wrote (``jobs.engine``, shown as
+    ``GET /jobs/{id}``'s ``engine``): what finalize writes, and what a stream reader checks a shard
+    against before the job has a manifest on disk. ``fp8``: the job's ``state_dtype`` is ``fp8_e4m3``."""
+    engine_dtype = str(engine.get("state_dtype", ""))
+    return Manifest(
+        job_id=job_id,
+        model=ModelInfo(
+            path=str(engine.get("model_path", "")),
+            num_layers=int(engine.get("num_layers", 0)),
+            hidden_size=int(engine.get("hidden_size", 0)),
+            dtype=str(engine.get("dtype", "")),
+        ),
+        tokenizer=dict(engine.get("tokenizer") or {}),
+        chat_template_sha256=str(engine.get("chat_template_sha256", "")),
+        aux_layer_ids=list(engine.get("aux_layer_ids", [])),
+        hf_indices=list(engine.get("hf_indices", [])),
+        dtype=FP8_DTYPE if fp8 else engine_dtype,
+        source_dtype=engine_dtype if fp8 else None,
+        schema_version=FP8_SCHEMA_VERSION if fp8 else SCHEMA_VERSION,
+        hidden_size=int(engine.get("hidden_size", 0)),
+        counts=counts or Counts(),
+        shards=shards or [],
+        final_state=str(engine.get("final_state", "post")),
+        engine={
+            "backend": engine.get("backend", ""),
+            "protocol_version": engine.get("protocol_version"),
+            **dict(engine.get("extra") or {}),
+        },
+        extra=extra or {},
+    )

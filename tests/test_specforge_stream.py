@@ -108,7 +108,7 @@ class HsxShards:
         from hsx.torch_data import sample_item
 
         doc = self.stack.job(self.job_id)
-        manifest = manifest_for(self.job_id, doc["engine"])
+        manifest = manifest_for(doc)
         bf16 = manifest.dtype == "BF16"
         shards = self.stack.client.get(f"/jobs/{self.job_id}/shards", params={"limit": 1000}).json()["items"]
         for entry in shards:

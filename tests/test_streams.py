@@ -107,7 +107,7 @@ def test_a_consume_job_waits_at_its_cap_and_each_acknowledgement_lets_one_more_u
         assert stream["buffered_bytes"] == item["bytes"] > 0
         # The other consumer gets nothing: the one committed shard is leased.
         assert lease(stack, job_id, other)["items"] == []
-        manifest = manifest_for(job_id, doc["engine"])
+        manifest = manifest_for(doc)
         seen += [s.index for s in item_samples(item, manifest)]
         assert Path(item["path"]).exists()
         done = ack(stack, job_id, reader, [item])

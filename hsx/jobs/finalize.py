@@ -13,16 +13,7 @@ from hsx.job_options import JobOptions
 from hsx.jobs import queries
 from hsx.jobs import repository as repo
 from hsx.layout import is_temp_name, parse_staged_shard_name
-from hsx.manifest import (
-    FP8_DTYPE,
-    FP8_SCHEMA_VERSION,
-    SCHEMA_VERSION,
-    Counts,
-    Manifest,
-    ModelInfo,
-    ShardEntry,
-    relative_shard_path,
-)
+from hsx.manifest import Counts, ShardEntry, job_manifest, relative_shard_path
 
 log = logging.getLogger(__name__)
 
@@ -43,24 +34,10 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
         shards = queries.list_shards(session, job_id)
         engine = job.engine or {}
         out = Path(job.output_dir)
-        engine_dtype = str(engine.get("state_dtype", ""))
-        fp8 = JobOptions.from_stored(job.options).state_dtype == STATE_DTYPE_OPTION
-        manifest = Manifest(
-            job_id=job.id,
-            model=ModelInfo(
-                path=str(engine.get("model_path", "")),
-                num_layers=int(engine.get("num_layers", 0)),
-                hidden_size=int(engine.get("hidden_size", 0)),
-                dtype=str(engine.get("dtype", "")),
-            ),
-            tokenizer=dict(engine.get("tokenizer", {})),
-            chat_template_sha256=str(engine.get("chat_template_sha256", "")),
-            aux_layer_ids=list(engine.get("aux_layer_ids", [])),
-            hf_indices=list(engine.get("hf_indices", [])),
-            dtype=FP8_DTYPE if fp8 else engine_dtype,
-            source_dtype=engine_dtype if fp8 else None,
-            schema_version=FP8_SCHEMA_VERSION if fp8 else SCHEMA_VERSION,
-            hidden_size=int(engine.get("hidden_size", 0)),
+        manifest = job_manifest(
+            job.id,
+            engine,
+            fp8=JobOptions.from_stored(job.options).state_dtype == STATE_DTYPE_OPTION,
             counts=Counts(
                 samples=job.samples_done,
                 rejected=job.samples_rejected,
@@ -78,12 +55,6 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
                 )
                 for s in shards
             ],
-            final_state=str(engine.get("final_state", "post")),
-            engine={
-                "backend": engine.get("backend", ""),
-                "protocol_version": engine.get("protocol_version"),
-                **dict(engine.get("extra", {})),
-            },
             extra={"dataset_uri": job.dataset_uri, "options": dict(job.options)},
         )
         published_to = _destination(job_id)

@@ -4,32 +4,21 @@ read exactly as the loader reads a finished job's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from hsx.fp8 import STATE_DTYPE_OPTION
+from hsx.job_options import JobOptions
 from hsx.loader import Sample, ShardView
-from hsx.manifest import Manifest, ModelInfo, ShardEntry
+from hsx.manifest import Manifest, ShardEntry, job_manifest
 
 
-def manifest_for(job_id: str, engine: dict[str, Any]) -> Manifest:
-    """The manifest of a job without its shard list, from the engine record the job started with."""
-    return Manifest(
-        job_id=job_id,
-        model=ModelInfo(
-            path=str(engine.get("model_path", "")),
-            num_layers=int(engine.get("num_layers", 0)),
-            hidden_size=int(engine.get("hidden_size", 0)),
-            dtype=str(engine.get("dtype", "")),
-        ),
-        tokenizer=dict(engine.get("tokenizer") or {}),
-        chat_template_sha256=str(engine.get("chat_template_sha256", "")),
-        aux_layer_ids=list(engine.get("aux_layer_ids", [])),
-        hf_indices=list(engine.get("hf_indices", [])),
-        dtype=str(engine.get("state_dtype", "")),
-        hidden_size=int(engine.get("hidden_size", 0)),
-        final_state=str(engine.get("final_state", "post")),
-    )
+def manifest_for(job: Mapping[str, Any]) -> Manifest:
+    """The manifest of a started job without its shard list, from its document (``GET /jobs/{id}``: its
+    ``engine`` record and ``options``), built as finalize builds the one it writes."""
+    options = JobOptions.from_stored(job.get("options"))
+    return job_manifest(str(job["id"]), job["engine"], fp8=options.state_dtype == STATE_DTYPE_OPTION)
 
 
 def open_item(item: dict[str, Any], manifest: Manifest, verify: bool = True) -> ShardView:

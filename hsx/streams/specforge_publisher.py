@@ -120,7 +120,7 @@ class SpecForgePublisher:
             if doc["state"] in ("failed", "cancelled"):
                 return _broken(self.job_id, doc["state"], doc.get("error"))
             if doc.get("engine"):
-                return manifest_for(self.job_id, doc["engine"]), doc["engine"]
+                return manifest_for(doc), doc["engine"]
             if self.should_stop():
                 return "publisher stopped before the job started"
             time.sleep(self.poll_seconds)

@@ -91,7 +91,7 @@ class JobStream(IterableDataset[Item]):
             if doc["state"] in ("failed", "cancelled"):
                 raise JobStreamError(f"job {self.job_id} is {doc['state']}: {doc.get('error')}")
             if doc.get("engine"):
-                return manifest_for(self.job_id, doc["engine"])
+                return manifest_for(doc)
             time.sleep(self.poll_seconds)
 
     def __iter__(self) -> Iterator[Item]:
