@@ -81,12 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {"engine": [], "fp8_e4m3": []}
     with private_stack("fp8", output_dir=args.output_dir, settings=settings) as stack:
         if args.engine_url:
-            from hsx.engine_client import EngineClient
-
-            info = EngineClient(args.engine_url).info()
-            stack.engine_url = args.engine_url
-            stack.env.update(HSX_ENGINE_URL=args.engine_url, HSX_DUMP_DIR=info.dump_dir)
-            hidden = info.hidden_size
+            hidden = stack.use_engine(args.engine_url)
         else:
             stack.start_engine_synthetic(args.hidden_size, args.num_layers)
             hidden = args.hidden_size

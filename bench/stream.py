@@ -4,6 +4,7 @@ Kimi-K2.5's width (hidden 7168; three aux layers plus the final state: 57 KB a t
 
     hsx bench stream [--samples 64] [--tokens 256] [--samples-per-shard 2] [--cap-fraction 0.1]
                      [--hidden-size 7168] [--num-layers 61] [--processes 2] [--concurrency 4]
+                     [--engine-url URL]   (a running engine, e.g. the patched SGLang, instead)
 
 The cap is ``--cap-fraction`` of what the keep job wrote (so the output is 1/fraction times the cap). The
 consumer leases one shard at a time, reads it whole (its sha256 checked, its sample list taken) and
@@ -81,7 +82,7 @@ def consume(stack: Any, job_id: str, seen: list[int]) -> None:
             raise SystemExit(f"job {answer['job_state']}: {answer.get('error')}")
         for item in answer["items"]:
             if manifest is None:
-                manifest = manifest_for(job_id, stack.job(job_id)["engine"])
+                manifest = manifest_for(stack.job(job_id))
             view = open_item(item, manifest, verify=True)  # reads every byte (the sha256)
             seen.extend(int(i) for i in view.indices)
             del view
@@ -104,12 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=2, help="worker processes")
     parser.add_argument("--concurrency", type=int, default=4, help="prefills in flight per worker process")
     parser.add_argument("--database-url")
+    parser.add_argument("--engine-url", help="a running engine (default: start a synthetic one)")
+    parser.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     args = parser.parse_args(argv)
     settings = {"HSX_ENGINE_CONCURRENCY": str(args.concurrency), "HSX_JOB_DOCUMENT_TTL_SECONDS": "0.2"}
     with private_stack("stream", database_url=args.database_url, settings=settings) as stack:
         dataset = stack.work / "bench.jsonl"
-        total = write_pretokenized(dataset, [args.tokens] * args.samples)
-        stack.start_engine_synthetic(args.hidden_size, args.num_layers)
+        total = write_pretokenized(dataset, [args.tokens] * args.samples, vocab=args.vocab)
+        if args.engine_url:
+            args.hidden_size = stack.use_engine(args.engine_url)
+        else:
+            stack.start_engine_synthetic(args.hidden_size, args.num_layers)
         stack.start_api()
         stack.start_workers(args.processes)
         out = Path(stack.env["HSX_OUTPUT_DIR"])

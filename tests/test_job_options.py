@@ -95,7 +95,6 @@ def _old_row(stack: Stack, dataset: Path, options: dict[str, Any]) -> str:
                 samples_total=0,
                 units_total=0,
             ),
-            [],
         )
     return job_id
 

@@ -4,6 +4,8 @@
 #   command: HIDDEN=4096 bash scripts/device/run_bench_fp8.sh      (8B-shaped Llama: 32 layers, hidden 4096)
 #            HIDDEN=7168 bash scripts/device/run_bench_fp8.sh      (the 8B Llama widened to 7168, 16 layers)
 #            MODE=error bash scripts/device/run_bench_fp8.sh       (fp8 error table on the 8B-shaped model)
+# With STREAM=1 (the default) the bench mode then runs `hsx bench stream` on the same engine:
+#   $OUT/bench_stream.json.
 # Needs what run_bench_e2e.sh needs (.sglang-bundle, .whl, .device/redis-server.xz; docs/sglang.md).
 # MODE=bench (default): starts the patched SGLang engine (radix cache off, dummy weights: the speed does not
 #   depend on their values) and runs `hsx bench fp8 --engine-url`: the same dataset as a bf16 job and as an
@@ -80,6 +82,17 @@ timeout $(( LEFT - 15 )) python3 -m hsx.cli bench fp8 --engine-url http://127.0.
   2> "$OUT/logs/bench_fp8.h$HIDDEN.log" | tee "$OUT/logs/bench_fp8.h$HIDDEN.txt"
 say "bench exit ${PIPESTATUS[0]}"
 tail -n 1 "$OUT/logs/bench_fp8.h$HIDDEN.txt" >> "$OUT/bench_fp8.json"
+# Issue 17 on the same engine: `hsx bench stream` (a consume job under a cap of a tenth of its output, drained
+# by a consumer, vs the same job kept). Many small units, so that the cap holds ten or more of them.
+if [ "${STREAM:-1}" = 1 ]; then
+  LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
+  timeout $(( LEFT - 15 )) python3 -m hsx.cli bench stream --engine-url http://127.0.0.1:30000 --vocab 128256 \
+    --samples "${STREAM_SAMPLES:-1024}" --tokens "${STREAM_TOKENS:-512}" --samples-per-shard 8 \
+    --processes "$PROCESSES" --concurrency "$CONCURRENCY" \
+    2> "$OUT/logs/bench_stream.h$HIDDEN.log" | tee "$OUT/logs/bench_stream.h$HIDDEN.txt"
+  say "stream bench exit ${PIPESTATUS[0]}"
+  tail -n 1 "$OUT/logs/bench_stream.h$HIDDEN.txt" >> "$OUT/bench_stream.json"
+fi
 kill -TERM -- -"$SERVER" 2> /dev/null
 pkill -x vmstat 2> /dev/null
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
