@@ -12,11 +12,12 @@ from sqlalchemy.exc import OperationalError, ProgrammingError, SQLAlchemyError
 from starlette.exceptions import HTTPException
 
 from app.exports.endpoints import router as exports_router
-from app.fleet import router as fleet_router
+from app.fleet.endpoints import router as fleet_router
 from app.jobs.endpoints import router as jobs_router
 from app.metrics import router as metrics_router
 from app.ops import health_router, verify_router
 from app.security import BodySizeLimitMiddleware, require_token
+from app.streams.endpoints import router as streams_router
 from app.ui import DashboardFiles
 from hsx.errors import HsxError
 from hsx.settings import get_settings
@@ -61,6 +62,7 @@ def create_app() -> FastAPI:
     protected = [Depends(require_token)]
     app.include_router(jobs_router, dependencies=protected)
     app.include_router(exports_router, dependencies=protected)
+    app.include_router(streams_router, dependencies=protected)
     app.include_router(verify_router, dependencies=protected)
     app.include_router(fleet_router, dependencies=protected)
     app.include_router(metrics_router, dependencies=protected)

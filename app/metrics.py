@@ -4,7 +4,9 @@ Everything is read at scrape time, so any number of API replicas answer the same
 
 * the job table: jobs by state, samples done and rejected (by reason), tokens and tokens/s of running
   jobs, work units by state, live leases, shards and their bytes;
-* RQ: queue depth, failed wake-ups and registered workers;
+* RQ: queue depth, wake-ups that failed (their function raised) apart from those cut short (their work
+  horse or worker died: the job table counts those units' horse deaths and their leases end; the queue
+  itself lost nothing), and registered workers;
 * what the workers pushed through Redis (:mod:`hsx.telemetry`): engine request latency and dump wait
   (histograms), bytes written, truncations, sample retries, engine errors, units by outcome.
 
@@ -34,7 +36,9 @@ from sqlalchemy.orm import Session
 
 from app.deps import SessionDep, SettingsDep
 from app.jobs.schemas import ErrorOut
-from hsx import job_stats, telemetry
+from hsx import telemetry
+from hsx.db.models import Job
+from hsx.jobs import queries
 from hsx.jobs.queue import queue_for, redis_connection
 from hsx.settings import Settings
 
@@ -48,12 +52,55 @@ class QueueStats:
     depth: int
     failed: int
     workers: int
+    interrupted: int = 0
+
+
+# How RQ words the failure of a job whose function never raised: its work horse was killed (a fault, the
+# OOM killer, a crash of the process), its worker died and another worker's cleanup found it abandoned, or
+# it was stopped. RQ files these in its failed registry too.
+INTERRUPTED_MARKS = ("Work-horse terminated unexpectedly", "AbandonedJobError", "Job stopped by user")
+
+
+def failed_registry_counts(connection: Any, queue: Any) -> tuple[int, int]:
+    """(really failed, interrupted) among the failed registry's entries, from each one's last result, read
+    in one round trip. An entry whose result has expired counts as failed: nothing says otherwise."""
+    from rq.results import Result
+
+    ids = queue.failed_job_registry.get_job_ids()
+    pipe = connection.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.xrevrange(Result.get_key(job_id), "+", "-", count=1)  # type: ignore[no-untyped-call]
+    interrupted = 0
+    for job_id, entries in zip(ids, pipe.execute(), strict=True):
+        if not entries:
+            continue
+        result_id, payload = entries[0]
+        result = Result.restore(job_id, result_id.decode(), payload, connection=connection)
+        if any(mark in (result.exc_string or "") for mark in INTERRUPTED_MARKS):
+            interrupted += 1
+    return len(ids) - interrupted, interrupted
+
+
+@dataclass(frozen=True)
+class ActiveJob:
+    id: str
+    state: str
+    samples_total: int
+    samples_handled: int
+    tokens: int
+    started_at: datetime | None
+
+    @classmethod
+    def of(cls, job: Job) -> ActiveJob:
+        handled = job.samples_done + job.samples_rejected
+        started = queries.aware(job.started_at)
+        return cls(job.id, job.state, job.samples_total, handled, int(job.tokens_done), started)
 
 
 @dataclass
 class Snapshot:
-    totals: job_stats.Totals | None = None
-    active: list[job_stats.ActiveJob] = field(default_factory=list)
+    totals: queries.Totals | None = None
+    active: list[ActiveJob] = field(default_factory=list)
     queue: QueueStats | None = None
     pushed: dict[str, Any] | None = None
     errors: dict[str, bool] = field(default_factory=dict)
@@ -62,8 +109,8 @@ class Snapshot:
 def take_snapshot(session: Session, settings: Settings) -> Snapshot:
     snap = Snapshot(errors={"database": False, "redis": False})
     try:
-        snap.totals = job_stats.totals(session, time.time())
-        snap.active = job_stats.active_jobs(session)
+        snap.totals = queries.totals(session, time.time())
+        snap.active = [ActiveJob.of(job) for job in queries.active_jobs(session)]
     except Exception as exc:  # noqa: BLE001 - a scrape reports a broken source, it does not fail
         log.warning("metrics: database unreadable: %s", exc.__class__.__name__)
         snap.errors["database"] = True
@@ -72,10 +119,12 @@ def take_snapshot(session: Session, settings: Settings) -> Snapshot:
 
         connection = redis_connection(settings)
         queue = queue_for(settings, connection)
+        failed, interrupted = failed_registry_counts(connection, queue)
         snap.queue = QueueStats(
             depth=queue.count,
-            failed=queue.failed_job_registry.count,
+            failed=failed,
             workers=Worker.count(connection=connection, queue=queue),
+            interrupted=interrupted,
         )
         snap.pushed = telemetry.read_all(connection, settings.queue_name)
     except Exception as exc:  # noqa: BLE001
@@ -84,7 +133,7 @@ def take_snapshot(session: Session, settings: Settings) -> Snapshot:
     return snap
 
 
-def tokens_per_second(active: list[job_stats.ActiveJob], now: datetime) -> float:
+def tokens_per_second(active: list[ActiveJob], now: datetime) -> float:
     rate = 0.0
     for job in active:
         if job.state == "running" and job.started_at is not None:
@@ -109,14 +158,21 @@ class SnapshotCollector(Collector):
         if snap.queue is not None:
             yield GaugeMetricFamily("hsx_queue_depth", "Wake-ups waiting in the RQ queue.", snap.queue.depth)
             yield GaugeMetricFamily(
-                "hsx_queue_failed", "Wake-ups in RQ's failed registry.", snap.queue.failed
+                "hsx_queue_failed",
+                "Wake-ups whose function raised (RQ's failed registry).",
+                snap.queue.failed,
+            )
+            yield GaugeMetricFamily(
+                "hsx_queue_interrupted",
+                "Wake-ups in RQ's failed registry that did not fail: their work horse or worker died.",
+                snap.queue.interrupted,
             )
             yield GaugeMetricFamily("hsx_workers", "Workers registered with RQ.", snap.queue.workers)
         if snap.pushed is not None:
             yield from self._pushed(snap.pushed)
 
     @staticmethod
-    def _job_table(t: job_stats.Totals, active: list[job_stats.ActiveJob]) -> Iterator[Metric]:
+    def _job_table(t: queries.Totals, active: list[ActiveJob]) -> Iterator[Metric]:
         jobs = GaugeMetricFamily("hsx_jobs", "Jobs by state.", labels=["state"])
         for state, n in sorted(t.jobs_by_state.items()):
             jobs.add_metric([state], n)

@@ -5,14 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from app.deps import SessionDep, SettingsDep
 from app.jobs.schemas import ErrorOut, VerifyOut
 from hsx import engine_fitness
 from hsx.engine_client import EngineClient, EngineError, EngineUnfit
-from hsx.jobs import document_queries
+from hsx.jobs import queries
 from hsx.jobs.queue import redis_connection
 from hsx.settings import Settings
 
@@ -33,7 +32,7 @@ def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
     checks: dict[str, str] = {}
     body: dict[str, object] = {}
     try:
-        session.execute(text("SELECT 1"))
+        queries.ping(session)
         checks["database"] = "ok"
     except Exception as exc:  # noqa: BLE001 - readiness reports, never raises
         checks["database"] = f"error: {exc.__class__.__name__}"
@@ -63,9 +62,9 @@ def engine_readiness(session: Session, settings: Settings) -> tuple[str, list[st
     problem = engine_fitness.protocol_problem(info)
     notes = engine_fitness.unreported_identity(info)
     if info.prefix_cache:
-        notes.append("prefix cache on: only jobs with cache_namespace_per_request=true can use this engine")
+        notes.append(f"prefix cache on: {engine_fitness.PREFIX_CACHE_PROBLEM}")
     unfit: dict[str, str] = {}
-    for job in document_queries.active_jobs(session):
+    for job in queries.active_jobs(session, limit=100):
         reason = engine_fitness.unfit_reason(info, dict(job.options), job.engine)
         if reason:
             unfit[job.id] = reason

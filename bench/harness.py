@@ -75,6 +75,16 @@ class Stack:
         self.env["HSX_ENGINE_URL"] = url
         return url
 
+    def use_engine(self, url: str) -> int:
+        """Run the stack's jobs on an engine already serving at ``url`` (a patched SGLang on a GPU host);
+        returns its hidden size."""
+        from hsx.engine_client import EngineClient
+
+        info = EngineClient(url).info()
+        self.engine_url = url
+        self.env.update(HSX_ENGINE_URL=url, HSX_DUMP_DIR=info.dump_dir)
+        return info.hidden_size
+
     def start_api(self) -> str:
         port = free_port()
         self.api_url = f"http://127.0.0.1:{port}"

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hsx.db.models import Job, WorkUnit
     from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
+    from hsx.jobs import queries
     from hsx.loader import OutputReader
 
     settings = {"HSX_ENGINE_CONCURRENCY": "4", "HSX_RECONCILE_SECONDS": "5"}
@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         def watch() -> None:
             while not done.is_set():
                 with session_scope(db) as session:
-                    peak["leases"] = max(peak["leases"], repo.live_lease_count(session, job_id, time.time()))
+                    peak["leases"] = max(
+                        peak["leases"], queries.live_lease_count(session, job_id, time.time())
+                    )
                 time.sleep(0.1)
 
         watcher = threading.Thread(target=watch, daemon=True)

@@ -126,10 +126,9 @@ def _api(url: str) -> Any:
 def cmd_submit(args: argparse.Namespace) -> int:
     from hsx import cli_progress as ui
 
-    options: dict[str, Any] = {
-        "chat_template": not args.no_chat_template,
-        "samples_per_shard": args.samples_per_shard,
-    }
+    options: dict[str, Any] = {"chat_template": not args.no_chat_template}
+    if args.samples_per_shard is not None:  # left out: the deployment's HSX_SAMPLES_PER_SHARD
+        options["samples_per_shard"] = args.samples_per_shard
     if args.max_length is not None:
         options["max_length"] = args.max_length
     if args.truncation:
@@ -261,7 +260,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-BENCHES = ("pipeline", "e2e", "memory", "api", "scale")
+BENCHES = ("pipeline", "e2e", "memory", "api", "scale", "submit", "stream", "fp8", "fp8_error")
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -291,6 +290,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     from hsx.export.cli import run_export_command
 
     return run_export_command(args)
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from hsx.streams.specforge_cli import run_publish_command
+
+    return run_publish_command(args, get_settings().token())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,7 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a longer sample is cut and kept (the default) or rejected as too_long",
     )
     p.add_argument("--aux-layers")
-    p.add_argument("--samples-per-shard", type=int, default=64)
+    p.add_argument(
+        "--samples-per-shard", type=int, default=None, help="default: the API's HSX_SAMPLES_PER_SHARD (64)"
+    )
     p.add_argument("--idempotency-key")
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_submit)
@@ -379,7 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-url")
     p.add_argument("--dump-dir")
     p.add_argument("--reference", action="store_true", help="also compare values with a transformers forward")
-    p.add_argument("--job", help="also say whether the engine may serve this job (and why not)")
+    p.add_argument(
+        "--job",
+        help="also say whether the engine may serve this job (and why not); for an fp8 job, check a few of "
+        "its stored samples against the engine's states (within the bound of docs/format.md)",
+    )
     p.add_argument("--api-url", default=settings.api_url)
     p.set_defaults(func=cmd_verify)
 
@@ -400,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_export_arguments(p)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("publish", help="feed a running job into a trainer's own stream (SpecForge)")
+    from hsx.streams.specforge_cli import add_publish_arguments
+
+    add_publish_arguments(p, settings.api_url)
+    p.set_defaults(func=cmd_publish)
     return parser
 
 

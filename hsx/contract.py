@@ -26,6 +26,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hsx import safetensors_io
+from hsx.layout import FINAL_STATES as FINAL_STATES  # the on-disk names live in hsx.layout
+from hsx.layout import PRE_NORM_TENSOR as PRE_NORM_TENSOR
+from hsx.layout import tensor_name as tensor_name
+from hsx.layout import write_atomically
 from hsx.safetensors_io import DTYPE_SIZES as DTYPE_SIZES  # re-exported for callers of the contract
 
 PROTOCOL_VERSION = 1
@@ -33,10 +37,7 @@ RID_PREFIX = "hsx-"
 META_FILE = "meta.json"
 STATES_FILE = "states.safetensors"
 INFO_PATH = "/hsx/info"
-# The final state before the model's final norm (the last decoder layer's output), captured on request
-# (``--final-state pre|both``); vLLM's extractor and the speculators trainer use it. Dump tensor name:
-PRE_NORM_TENSOR = "final_pre_norm"
-FINAL_STATES = ("post", "pre", "both")
+# The pre-norm final state (hsx.layout.PRE_NORM_TENSOR) is captured on request (``--final-state pre|both``).
 # The key of EngineInfo.extra that names the model's weights and config (hsx.model_identity).
 MODEL_FINGERPRINT = "model_fingerprint"
 LAYER_CONVENTION = (
@@ -81,10 +82,6 @@ def hf_indices(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
         if not 0 <= layer < num_layers - 1:
             raise ValueError(f"aux layer {layer} out of range for a {num_layers}-layer model")
     return [layer + 1 for layer in aux_layer_ids] + [num_layers]
-
-
-def tensor_name(hf_index: int) -> str:
-    return f"hidden.{hf_index}"
 
 
 def is_captured_rid(rid: object) -> bool:
@@ -222,9 +219,6 @@ def read_safetensors(path: str) -> dict[str, RawTensor]:
 
 
 def write_meta_atomically(directory: str, meta: DumpMeta) -> None:
-    tmp = os.path.join(directory, META_FILE + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(meta.to_json())
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(directory, META_FILE))
+    """Publish a dump's meta.json last: its presence means the dump is complete. The directory is not
+    fsynced: a dump lost to a power cut is asked for again, and the fsync would cost every sample."""
+    write_atomically(os.path.join(directory, META_FILE), meta.to_json(), sync_dir=False)

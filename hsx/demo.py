@@ -120,10 +120,10 @@ def _wait(api_url: str, job_id: str, headers: dict[str, str], timeout: float) ->
 
 def _units_per_engine(job_id: str) -> dict[str, int]:
     from hsx.db.session import session_scope
-    from hsx.jobs.repository import done_units_by_owner_engine
+    from hsx.jobs.queries import done_units_by_engine
 
     with session_scope(get_settings().resolved_database_url) as session:
-        return done_units_by_owner_engine(session, job_id)
+        return done_units_by_engine(session, job_id)
 
 
 def _check_output(doc: dict[str, Any]) -> bool:

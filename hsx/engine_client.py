@@ -1,21 +1,14 @@
-"""The worker's side of the engine protocol: prefill requests over HTTP and dumps read from disk.
+"""The worker's side of the engine protocol: prefill requests over HTTP (dumps are read by hsx.dumps).
 
-No torch here: the API process (through :mod:`hsx.verify`) uses this too. bf16 states come back as raw
-``uint16`` words; :func:`as_float32` widens them.
+No torch here: the API process (through :mod:`hsx.verify`) uses this too.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import numpy as np
-import numpy.typing as npt
 
 from hsx import contract
 from hsx.errors import HsxError, ReasonError
@@ -30,16 +23,6 @@ ENGINE_LEVEL_STATUSES = frozenset({401, 403, 404, 405})
 # /hsx/info is answered at once by a live engine, however long its prefills take (their timeout is
 # HSX_ENGINE_TIMEOUT_SECONDS): a frozen engine is found out in seconds, not in a prefill's time.
 INFO_TIMEOUT_SECONDS = 15.0
-
-# How a dump's safetensors dtype is held in numpy; bf16 has no numpy type, so its words stay uint16.
-NUMPY_DTYPES: dict[str, npt.DTypeLike] = {
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": np.uint16,
-    "I32": np.int32,
-    "I64": np.int64,
-}
-_BF16_NAMES = ("BF16", "bfloat16", "bf16")
 
 
 class EngineError(HsxError):
@@ -87,26 +70,6 @@ class DumpMissing(EngineError):
 
 class DumpCorrupt(DumpMissing):
     """A dump is present but unreadable; for a sample it is as good as missing."""
-
-
-@dataclass
-class Dump:
-    meta: contract.DumpMeta
-    input_ids: npt.NDArray[np.int32]
-    states: dict[int, npt.NDArray[Any]]  # hf_index -> [T, H]; bf16 as uint16 words
-    dtypes: dict[int, str]  # hf_index -> safetensors dtype name ("F32", "BF16", ...)
-    path: str
-
-    def state_float32(self, hf_index: int) -> npt.NDArray[np.float32]:
-        return as_float32(self.states[hf_index], self.dtypes[hf_index])
-
-
-def as_float32(raw: npt.NDArray[Any], dtype: str) -> npt.NDArray[np.float32]:
-    """A state as float32: bf16 words are the high halves of float32 words, so they widen by a shift."""
-    if dtype in _BF16_NAMES:
-        words = np.ascontiguousarray(raw).view(np.uint16)
-        return (words.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    return np.asarray(raw, dtype=np.float32)
 
 
 class EngineClient:
@@ -173,12 +136,6 @@ class EngineClient:
             return False
         return True
 
-    def read_dump(self, dump_dir: str, rid: str, wait_seconds: float) -> Dump:
-        return read_dump(dump_dir, rid, wait_seconds)
-
-    def delete_dump(self, dump_dir: str, rid: str) -> None:
-        delete_dump(dump_dir, rid)
-
     def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> Any:
         limit: Any = httpx.USE_CLIENT_DEFAULT
         if timeout is not None:
@@ -232,68 +189,3 @@ def _rejection(response: httpx.Response) -> tuple[str, str]:
         if "detail" in body:
             return f"http_{response.status_code}", str(body["detail"])
     return f"http_{response.status_code}", str(body)[:500]
-
-
-def wait_for_meta(dump_dir: str, rid: str, wait_seconds: float) -> str:
-    """The dump directory of ``rid`` once its ``meta.json`` exists (written last: the dump is complete)."""
-    directory = contract.dump_path(dump_dir, rid)
-    meta_path = os.path.join(directory, contract.META_FILE)
-    deadline = time.monotonic() + max(0.0, wait_seconds)
-    pause = 0.002
-    while not os.path.isfile(meta_path):
-        if time.monotonic() >= deadline:
-            raise DumpMissing(f"no dump for {rid} in {dump_dir} after {wait_seconds:g}s")
-        time.sleep(pause)
-        # A short cap: the shard writer takes dumps in order, and every ms it oversleeps a landed dump is a
-        # ms it is not copying (a stat every 10 ms costs nothing).
-        pause = min(pause * 2, 0.01)
-    return directory
-
-
-def read_dump(dump_dir: str, rid: str, wait_seconds: float) -> Dump:
-    """The complete dump of ``rid``, waiting up to ``wait_seconds`` for the engine to finish writing it."""
-    directory = wait_for_meta(dump_dir, rid, wait_seconds)
-    meta_path = os.path.join(directory, contract.META_FILE)
-    try:
-        with open(meta_path, encoding="utf-8") as fh:
-            meta = contract.DumpMeta.from_json(fh.read())
-        tensors = contract.read_safetensors(os.path.join(directory, contract.STATES_FILE))
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise DumpCorrupt(f"dump of {rid} is unreadable: {exc}") from exc
-    if meta.rid != rid:
-        raise DumpCorrupt(f"dump directory of {rid} holds the meta of {meta.rid}")
-    if "input_ids" not in tensors:
-        raise DumpCorrupt(f"dump of {rid} has no input_ids tensor")
-    input_ids = _to_numpy("input_ids", tensors["input_ids"]).astype(np.int32, copy=False)
-    states: dict[int, npt.NDArray[Any]] = {}
-    dtypes: dict[int, str] = {}
-    for name, tensor in tensors.items():
-        if not name.startswith("hidden."):
-            continue
-        try:
-            hf_index = int(name.removeprefix("hidden."))
-        except ValueError as exc:
-            raise DumpCorrupt(f"dump of {rid} has a badly named tensor {name!r}") from exc
-        states[hf_index] = _to_numpy(name, tensor)
-        dtypes[hf_index] = tensor.dtype
-    return Dump(meta=meta, input_ids=input_ids, states=states, dtypes=dtypes, path=directory)
-
-
-def delete_dump(dump_dir: str, rid: str) -> None:
-    shutil.rmtree(contract.dump_path(dump_dir, rid), ignore_errors=True)
-
-
-def _to_numpy(name: str, tensor: contract.RawTensor) -> npt.NDArray[Any]:
-    numpy_dtype = NUMPY_DTYPES.get(tensor.dtype)
-    if numpy_dtype is None:
-        raise DumpCorrupt(f"tensor {name} has unsupported dtype {tensor.dtype}")
-    try:
-        array = np.frombuffer(tensor.data, dtype=np.dtype(numpy_dtype).newbyteorder("<"))
-    except ValueError as exc:  # a byte count that is no multiple of the item size
-        raise DumpCorrupt(f"tensor {name}: {exc}") from exc
-    count = 1
-    for dim in tensor.shape:
-        count *= dim
-    if array.size != count:
-        raise DumpCorrupt(f"tensor {name}: {array.size} values for shape {tensor.shape}")
-    return array.reshape(tensor.shape)

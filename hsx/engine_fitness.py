@@ -7,7 +7,11 @@ states that cannot be trusted:
 * another model: layers, hidden size, captured layers, dtype or final state differ, or the same shape
   with other weights (the ``model_fingerprint`` the engine reports, see :mod:`hsx.model_identity`);
 * another tokenizer or chat template on the worker's side (token ids, and so the states, would differ);
-* a prefix cache that is on while the job sends no per-request namespace (a cached prefix is not dumped);
+* a prefix cache that is on, whatever the job's ``cache_namespace_per_request`` says: a cached prefix is not
+  computed, so not dumped. A per-request namespace (SGLang's ``extra_key``) is only a second guard: it
+  depends on the engine honouring the key, which a stock engine, another version or a proxy in between may
+  not, and the preflight, which sends none, could not prove the engine then. So the rule is the safe one,
+  the same here, in the preflight (``hsx verify``) and in the README;
 * aux layers other than the job asks for, or a context shorter than the job's ``max_length``;
 * an engine that does not speak this protocol version.
 """
@@ -20,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hsx import contract
+from hsx.job_options import JobOptions
 
 # Facts of EngineInfo a job's states depend on; they must be equal across the engines of one job.
 SHAPE_KEYS = ("num_layers", "hidden_size", "hf_indices", "dtype", "final_state")
@@ -31,25 +36,35 @@ def protocol_problem(info: contract.EngineInfo) -> str | None:
     return None
 
 
+PREFIX_CACHE_PROBLEM = (
+    "the engine's prefix cache is on: a cached prefix is not computed, so not dumped (per-request cache "
+    "namespaces do not make it fit; start it with --disable-radix-cache or --disable-prefix-cache)"
+)
+
+
+def as_options(options: JobOptions | Mapping[str, Any]) -> JobOptions:
+    """A job's options, typed: a job row's JSON is read as :meth:`JobOptions.from_stored` reads it."""
+    return options if isinstance(options, JobOptions) else JobOptions.from_stored(options)
+
+
 def option_problems(
-    info: contract.EngineInfo, options: Mapping[str, Any], check_cache: bool = True
+    info: contract.EngineInfo, options: JobOptions | Mapping[str, Any], check_cache: bool = True
 ) -> list[str]:
     """What makes the engine unfit for a job's options, whatever engine the job started with.
-    (``check_cache=False`` only where a test shows the per-sample checks behind the cache rule.)"""
+    (``check_cache=False``: where the preflight decides on the cache, and where a test shows the
+    per-sample checks behind the cache rule.)"""
+    typed = as_options(options)
     problems: list[str] = []
-    if check_cache and info.prefix_cache and not options.get("cache_namespace_per_request", True):
+    if check_cache and info.prefix_cache:
+        problems.append(PREFIX_CACHE_PROBLEM)
+    if typed.aux_layers is not None and typed.aux_layers != list(info.aux_layer_ids):
         problems.append(
-            "the engine's prefix cache is on and the job sends no per-request cache namespace "
-            "(cache_namespace_per_request=false): a cached prefix would be missing from its dumps"
+            f"the job asks for aux layers {typed.aux_layers}, the engine captures {info.aux_layer_ids}"
         )
-    wanted = options.get("aux_layers")
-    if wanted is not None and list(wanted) != list(info.aux_layer_ids):
+    if info.context_length and typed.max_length > info.context_length:
         problems.append(
-            f"the job asks for aux layers {list(wanted)}, the engine captures {info.aux_layer_ids}"
+            f"max_length {typed.max_length} exceeds the engine's context length {info.context_length}"
         )
-    max_length = options.get("max_length")
-    if info.context_length and isinstance(max_length, int) and max_length > info.context_length:
-        problems.append(f"max_length {max_length} exceeds the engine's context length {info.context_length}")
     return problems
 
 
@@ -90,7 +105,7 @@ def _tokenizer_problems(job_engine: Mapping[str, Any], worker_side: Mapping[str,
 
 def unfit_reason(
     info: contract.EngineInfo,
-    options: Mapping[str, Any],
+    options: JobOptions | Mapping[str, Any],
     job_engine: Mapping[str, Any] | None = None,
     worker_side: Mapping[str, Any] | None = None,
 ) -> str | None:

@@ -1,5 +1,8 @@
 """Read a job's output back for drafter training (format: docs/format.md), one sample at a time or at
-random, from schema 1 and schema 2 outputs alike.
+random, from schema 1, 2 and 3 outputs alike.
+
+Schema 3 (fp8) states come back dequantized (float32; bf16 for torch) unless ``raw_fp8`` asks for the
+e4m3 codes and their per-token scales; a scale that is non-finite, zero or negative raises LoaderError.
 
 Shards are memory-mapped, so a sample costs its own bytes, not its shard's; each returned sample owns its
 arrays (copies), so nothing keeps a shard mapped after the reader moves on. With ``verify_checksums`` a
@@ -22,15 +25,30 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import numpy as np
 import numpy.typing as npt
 
-from hsx.contract import PRE_NORM_TENSOR, tensor_name
+from hsx import fp8
+from hsx.layout import (
+    PRE_NORM_TENSOR,
+    TOKEN_TENSOR_NAMES,
+    sample_tensor_name,
+    scale_tensor_name,
+    state_tensor_names,
+    tensor_name,
+)
 from hsx.manifest import Manifest, ShardEntry
 from hsx.safetensors_io import SafetensorsError, TensorSpec, parse_header
 
 if TYPE_CHECKING:
     import torch
 
-_NUMPY_DTYPES = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", "I32": "<i4", "I64": "<i8", "U8": "u1"}
-_TOKEN_TENSORS = ("input_ids", "loss_mask", "sample_offsets", "sample_index")
+_NUMPY_DTYPES = {
+    "F8_E4M3": "u1",
+    "BF16": "<u2",
+    "F16": "<f2",
+    "F32": "<f4",
+    "I32": "<i4",
+    "I64": "<i8",
+    "U8": "u1",
+}
 _V1_STATE_TENSORS = ("hidden_state", "aux_hidden_state")
 _OPEN_SHARDS = 4  # mapped at once by a random-access reader
 
@@ -53,6 +71,11 @@ class Sample:
     hidden_state: npt.NDArray[Any] | None
     aux_hidden_state: npt.NDArray[Any]  # [T, len(aux) * H], the aux layers side by side
     final_pre_norm: npt.NDArray[Any] | None = None  # [T, H] when the job captured it
+    # raw_fp8 on a schema 3 output: the states above are e4m3 codes (uint8) and these their float32
+    # per-token scales (value = fp8.DECODE_TABLE[code] * scale); None otherwise.
+    hidden_state_scale: npt.NDArray[np.float32] | None = None  # [T]
+    aux_hidden_state_scale: npt.NDArray[np.float32] | None = None  # [T, len(aux)], one per aux layer
+    final_pre_norm_scale: npt.NDArray[np.float32] | None = None  # [T]
 
 
 @dataclass(frozen=True)
@@ -60,9 +83,14 @@ class TorchSample:
     index: int
     input_ids: torch.Tensor  # int32
     loss_mask: torch.Tensor  # uint8
-    hidden_state: torch.Tensor | None  # the shard's dtype (bfloat16 stays bfloat16)
+    # The shard's dtype (bfloat16 stays bfloat16); fp8 comes dequantized to bfloat16, or with raw_fp8 as
+    # torch.float8_e4m3fn with the float32 scales below.
+    hidden_state: torch.Tensor | None
     aux_hidden_state: torch.Tensor
     final_pre_norm: torch.Tensor | None = None
+    hidden_state_scale: torch.Tensor | None = None
+    aux_hidden_state_scale: torch.Tensor | None = None
+    final_pre_norm_scale: torch.Tensor | None = None
 
 
 def bf16_words_to_float32(words: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
@@ -87,7 +115,7 @@ class ShardView:
             raise LoaderError(str(exc)) from exc
         if verify:
             self._verify(entry)
-        missing = [name for name in _TOKEN_TENSORS if name not in self.specs]
+        missing = [name for name in TOKEN_TENSOR_NAMES if name not in self.specs]
         if manifest.schema_version == 1:
             missing += [name for name in _V1_STATE_TENSORS if name not in self.specs]
         if missing:
@@ -123,13 +151,7 @@ class ShardView:
 
     def _state_names(self) -> list[str]:
         """Per-sample dump tensors a schema 2 shard holds, in the manifest's terms."""
-        m = self.manifest
-        names = [tensor_name(i) for i in m.hf_indices[:-1]]
-        if m.final_state in ("post", "both"):
-            names.append(tensor_name(m.hf_indices[-1]))
-        if m.final_state in ("pre", "both"):
-            names.append(PRE_NORM_TENSOR)
-        return names
+        return state_tensor_names(self.manifest.hf_indices, self.manifest.final_state)
 
     def _check(self, entry: ShardEntry) -> None:
         m, offsets = self.manifest, self.offsets
@@ -153,19 +175,64 @@ class ShardView:
             for k in range(len(self.indices)):
                 rows = int(offsets[k + 1] - offsets[k])
                 for name in self._state_names():
-                    got = self.specs.get(f"s{k}.{name}")
+                    got = self.specs.get(sample_tensor_name(k, name))
                     if got is None or got.shape != (rows, m.hidden_size) or got.dtype != m.dtype:
                         found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-                        problems.append(f"s{k}.{name} is {found}, expected {m.dtype}{[rows, m.hidden_size]}")
+                        want = f"{m.dtype}{[rows, m.hidden_size]}"
+                        problems.append(f"{sample_tensor_name(k, name)} is {found}, expected {want}")
                         break
+                    if m.dtype == fp8.FP8_DTYPE:
+                        scale_name = scale_tensor_name(sample_tensor_name(k, name))
+                        scale = self.specs.get(scale_name)
+                        if scale is None or scale.shape != (rows,) or scale.dtype != fp8.SCALE_DTYPE:
+                            found = "missing" if scale is None else f"{scale.dtype}{list(scale.shape)}"
+                            problems.append(f"{scale_name} is {found}, expected F32[{rows}]")
+                            break
         if problems:
             raise LoaderError(f"{self.path}: " + "; ".join(problems[:4]))
 
     def __len__(self) -> int:
         return len(self.indices)
 
-    def sample(self, k: int, raw_bf16: bool = False) -> Sample:
+    def _scales(self, k: int, name: str) -> npt.NDArray[np.float32]:
+        tensor = scale_tensor_name(sample_tensor_name(k, name))
+        scales: npt.NDArray[np.float32] = self._array(tensor).copy()
+        problem = fp8.bad_scales(scales)
+        if problem is not None:
+            raise LoaderError(f"{self.path}: {tensor} {problem}: the shard is corrupt")
+        return scales
+
+    def _fp8_sample(self, k: int, rows: slice, raw: bool) -> Sample:
+        m = self.manifest
+        aux_names = [tensor_name(i) for i in m.hf_indices[:-1]]
+        final_name = tensor_name(m.hf_indices[-1]) if m.final_state != "pre" else None
+        pre_name = PRE_NORM_TENSOR if m.final_state != "post" else None
+        scales = {name: self._scales(k, name) for name in [*aux_names, final_name, pre_name] if name}
+
+        def tensor(name: str) -> npt.NDArray[Any]:
+            codes = self._array(sample_tensor_name(k, name))
+            return codes.copy() if raw else fp8.dequantize(codes, scales[name])
+
+        def state(name: str | None) -> npt.NDArray[Any] | None:
+            return None if name is None else tensor(name)
+
+        aux_parts = [tensor(name) for name in aux_names]
+        return Sample(
+            index=int(self.indices[k]),
+            input_ids=self.input_ids[rows].astype(np.int32),
+            loss_mask=self.loss_mask[rows].copy(),
+            hidden_state=state(final_name),
+            aux_hidden_state=np.concatenate(aux_parts, axis=1),
+            final_pre_norm=state(pre_name),
+            hidden_state_scale=scales[final_name] if raw and final_name else None,
+            aux_hidden_state_scale=np.stack([scales[n] for n in aux_names], axis=1) if raw else None,
+            final_pre_norm_scale=scales[pre_name] if raw and pre_name else None,
+        )
+
+    def sample(self, k: int, raw_bf16: bool = False, raw_fp8: bool = False) -> Sample:
         rows = slice(int(self.offsets[k]), int(self.offsets[k + 1]))
+        if self.manifest.dtype == fp8.FP8_DTYPE:
+            return self._fp8_sample(k, rows, raw_fp8)
         convert = self.manifest.dtype == "BF16" and not raw_bf16
 
         def own(words: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -177,12 +244,16 @@ class ShardView:
             aux = own(self._array("aux_hidden_state")[rows])
             pre = None
         else:
-            aux_parts = [self._array(f"s{k}.{tensor_name(i)}") for i in m.hf_indices[:-1]]
+            aux_parts = [self._array(sample_tensor_name(k, tensor_name(i))) for i in m.hf_indices[:-1]]
             aux = own(np.concatenate(aux_parts, axis=1))
             final = (
-                own(self._array(f"s{k}.{tensor_name(m.hf_indices[-1])}")) if m.final_state != "pre" else None
+                own(self._array(sample_tensor_name(k, tensor_name(m.hf_indices[-1]))))
+                if m.final_state != "pre"
+                else None
             )
-            pre = own(self._array(f"s{k}.{PRE_NORM_TENSOR}")) if m.final_state != "post" else None
+            pre = (
+                own(self._array(sample_tensor_name(k, PRE_NORM_TENSOR))) if m.final_state != "post" else None
+            )
         return Sample(
             index=int(self.indices[k]),
             input_ids=self.input_ids[rows].astype(np.int32),
@@ -198,12 +269,17 @@ class OutputReader:
     not the dataset index: rejected samples leave no gap here; ``Sample.index`` is the dataset's)."""
 
     def __init__(
-        self, output_dir: Path | str, verify_checksums: bool = False, raw_bf16: bool = False
+        self,
+        output_dir: Path | str,
+        verify_checksums: bool = False,
+        raw_bf16: bool = False,
+        raw_fp8: bool = False,
     ) -> None:
         self.directory = Path(output_dir)
         self.manifest = Manifest.load(self.directory)
         self.verify_checksums = verify_checksums
         self.raw_bf16 = raw_bf16
+        self.raw_fp8 = raw_fp8
         self._starts = [0]
         for entry in self.manifest.shards:
             self._starts.append(self._starts[-1] + entry.samples)
@@ -232,12 +308,12 @@ class OutputReader:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         number = bisect.bisect_right(self._starts, i) - 1
-        return self.shard(number).sample(i - self._starts[number], self.raw_bf16)
+        return self.shard(number).sample(i - self._starts[number], self.raw_bf16, self.raw_fp8)
 
     def iter_shard(self, number: int) -> Iterator[Sample]:
         view = self.shard(number)
         for k in range(len(view)):
-            yield view.sample(k, self.raw_bf16)
+            yield view.sample(k, self.raw_bf16, self.raw_fp8)
 
     def __iter__(self) -> Iterator[Sample]:
         for number in range(len(self.manifest.shards)):
@@ -245,13 +321,21 @@ class OutputReader:
             self._open.pop(number, None)  # done with it: let the mapping go
 
 
-def _to_torch(sample: Sample, bf16: bool) -> TorchSample:
+def _to_torch(sample: Sample, dtype: str, raw_fp8: bool = False) -> TorchSample:
+    """``dtype``: the manifest's; fp8 samples arrive dequantized (float32) unless ``raw_fp8``."""
     import torch
 
     def states(words: npt.NDArray[Any]) -> torch.Tensor:
-        if bf16:  # same bits, reinterpreted; torch's uint16 support is too thin to go through it
+        if dtype == "BF16":  # same bits, reinterpreted; torch's uint16 support is too thin to go through it
             return torch.from_numpy(words.view(np.int16)).view(torch.bfloat16)
+        if dtype == fp8.FP8_DTYPE:
+            if raw_fp8:
+                return torch.from_numpy(words).view(torch.float8_e4m3fn)
+            return torch.from_numpy(words).to(torch.bfloat16)
         return torch.from_numpy(words)
+
+    def scales(values: npt.NDArray[np.float32] | None) -> torch.Tensor | None:
+        return None if values is None else torch.from_numpy(values)
 
     return TorchSample(
         index=sample.index,
@@ -260,6 +344,9 @@ def _to_torch(sample: Sample, bf16: bool) -> TorchSample:
         hidden_state=None if sample.hidden_state is None else states(sample.hidden_state),
         aux_hidden_state=states(sample.aux_hidden_state),
         final_pre_norm=None if sample.final_pre_norm is None else states(sample.final_pre_norm),
+        hidden_state_scale=scales(sample.hidden_state_scale),
+        aux_hidden_state_scale=scales(sample.aux_hidden_state_scale),
+        final_pre_norm_scale=scales(sample.final_pre_norm_scale),
     )
 
 
@@ -269,6 +356,7 @@ def iter_samples(
     verify_checksums: bool = ...,
     *,
     raw_bf16: bool = ...,
+    raw_fp8: bool = ...,
     as_torch: Literal[False] = ...,
 ) -> Iterator[Sample]: ...
 
@@ -279,6 +367,7 @@ def iter_samples(
     verify_checksums: bool = ...,
     *,
     raw_bf16: bool = ...,
+    raw_fp8: bool = ...,
     as_torch: Literal[True],
 ) -> Iterator[TorchSample]: ...
 
@@ -288,15 +377,18 @@ def iter_samples(
     verify_checksums: bool = True,
     *,
     raw_bf16: bool = False,
+    raw_fp8: bool = False,
     as_torch: bool = False,
 ) -> Iterator[Sample] | Iterator[TorchSample]:
     """Every sample of a job's output in manifest order.
 
-    numpy: bf16 states become float32 unless ``raw_bf16`` (then their uint16 words); F16 and F32 are kept.
-    ``as_torch``: torch tensors in the shard's own dtype (bf16 as ``torch.bfloat16``); needs torch.
+    numpy: bf16 states become float32 unless ``raw_bf16`` (then their uint16 words); F16 and F32 are kept;
+    fp8 (schema 3) is dequantized to float32 unless ``raw_fp8`` (then uint8 codes plus the ``*_scale``
+    fields). ``as_torch``: torch tensors in the shard's own dtype (bf16 as ``torch.bfloat16``; fp8 as
+    bfloat16, or ``torch.float8_e4m3fn`` codes with ``raw_fp8``); needs torch.
     """
     if not as_torch:
-        return iter(OutputReader(output_dir, verify_checksums, raw_bf16))
-    reader = OutputReader(output_dir, verify_checksums, raw_bf16=True)
-    bf16 = reader.manifest.dtype == "BF16"
-    return (_to_torch(sample, bf16) for sample in reader)
+        return iter(OutputReader(output_dir, verify_checksums, raw_bf16, raw_fp8))
+    reader = OutputReader(output_dir, verify_checksums, raw_bf16=True, raw_fp8=raw_fp8)
+    dtype = reader.manifest.dtype
+    return (_to_torch(sample, dtype, raw_fp8) for sample in reader)

@@ -45,10 +45,6 @@ def log_context(**fields: Any) -> Iterator[None]:
         _context.reset(token)
 
 
-def current_context() -> dict[str, Any]:
-    return dict(_context.get())
-
-
 class Redactor:
     """Scrubs secrets out of a rendered line. ``secrets`` are exact strings (the API token)."""
 

@@ -8,23 +8,22 @@ the previous manifest or the new one. Format: docs/format.md. Standard library o
 from __future__ import annotations
 
 import json
-import os
-import secrets
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hsx.contract import LAYER_CONVENTION
-from hsx.fsutil import fsync_dir
+from hsx.layout import FINAL_STATES as FINAL_STATES  # the schema's names live in hsx.layout
+from hsx.layout import FP8_SCHEMA_VERSION as FP8_SCHEMA_VERSION
+from hsx.layout import MANIFEST_FILE as MANIFEST_FILE
+from hsx.layout import READABLE_SCHEMA_VERSIONS as READABLE_SCHEMA_VERSIONS
+from hsx.layout import SCHEMA_VERSION as SCHEMA_VERSION
+from hsx.layout import write_atomically
 
-# 2: shards written as a stream (per-sample state tensors, data and header hashed apart; docs/format.md).
-# 1: shards with every state tensor concatenated, one sha256 over the whole file. Both are read.
-SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
-FINAL_STATES = ("post", "pre", "both")
-MANIFEST_FILE = "manifest.json"
 # The shard's state tensors use safetensors dtype names, so the manifest does too (no aliases here).
 STATE_DTYPES = ("BF16", "F16", "F32")
+FP8_DTYPE = "F8_E4M3"  # schema 3 only; source_dtype then names what the engine produced
 
 
 class ManifestError(Exception):
@@ -82,7 +81,7 @@ class Manifest:
     chat_template_sha256: str
     aux_layer_ids: list[int]
     hf_indices: list[int]  # the aux layers' HF indices, then the final state's
-    dtype: str  # safetensors name of the state tensors: BF16, F16 or F32
+    dtype: str  # safetensors name of the state tensors: BF16, F16, F32, or F8_E4M3 (schema 3)
     hidden_size: int
     counts: Counts = field(default_factory=Counts)
     shards: list[ShardEntry] = field(default_factory=list)
@@ -94,14 +93,23 @@ class Manifest:
     engine: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    # Schema 3 (dtype F8_E4M3): the engine's dtype the states were quantized from (BF16, F16 or F32).
+    source_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.final_state not in FINAL_STATES:
             raise ManifestError(f"final_state {self.final_state!r} is not one of {FINAL_STATES}")
         if self.schema_version == 1 and self.final_state != "post":
             raise ManifestError("a schema 1 manifest can only hold the post-norm final state")
-        if self.dtype not in STATE_DTYPES:
-            raise ManifestError(f"dtype {self.dtype!r} is not one of {STATE_DTYPES} (safetensors names)")
+        if self.dtype == FP8_DTYPE:
+            if self.schema_version < FP8_SCHEMA_VERSION:
+                raise ManifestError(f"dtype {FP8_DTYPE} needs schema_version {FP8_SCHEMA_VERSION}")
+            if self.source_dtype not in STATE_DTYPES:
+                raise ManifestError(f"source_dtype {self.source_dtype!r} is not one of {STATE_DTYPES}")
+        elif self.dtype not in STATE_DTYPES:
+            raise ManifestError(
+                f"dtype {self.dtype!r} is not one of {(*STATE_DTYPES, FP8_DTYPE)} (safetensors names)"
+            )
         if len(self.hf_indices) != len(self.aux_layer_ids) + 1:
             raise ManifestError("hf_indices must list each aux layer and then the final state")
 
@@ -135,6 +143,7 @@ class Manifest:
                 engine=dict(raw.get("engine", {})),
                 extra=dict(raw.get("extra", {})),
                 schema_version=version,
+                source_dtype=raw.get("source_dtype"),
             )
         except (KeyError, TypeError) as exc:
             raise ManifestError(f"manifest is missing or has a malformed field: {exc}") from exc
@@ -149,20 +158,8 @@ class Manifest:
         for entry in self.shards:
             _checked_relative(entry.path)
         directory.mkdir(parents=True, exist_ok=True)
-        final = directory / MANIFEST_FILE
-        tmp = directory / f".{MANIFEST_FILE}.{secrets.token_hex(6)}.tmp"
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(directory)
-        return final
+        return write_atomically(directory / MANIFEST_FILE, text)
 
     @classmethod
     def load(cls, directory: Path) -> Manifest:
@@ -176,3 +173,44 @@ class Manifest:
         if not isinstance(raw, dict):
             raise ManifestError(f"{path} does not hold a JSON object")
         return cls.from_dict(raw)
+
+
+def job_manifest(
+    job_id: str,
+    engine: Mapping[str, Any],
+    *,
+    fp8: bool,
+    counts: Counts | None = None,
+    shards: list[ShardEntry] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Manifest:
+    """The manifest of a job from the engine record its workers wrote (``jobs.engine``, shown as
+    ``GET /jobs/{id}``'s ``engine``): what finalize writes, and what a stream reader checks a shard
+    against before the job has a manifest on disk. ``fp8``: the job's ``state_dtype`` is ``fp8_e4m3``."""
+    engine_dtype = str(engine.get("state_dtype", ""))
+    return Manifest(
+        job_id=job_id,
+        model=ModelInfo(
+            path=str(engine.get("model_path", "")),
+            num_layers=int(engine.get("num_layers", 0)),
+            hidden_size=int(engine.get("hidden_size", 0)),
+            dtype=str(engine.get("dtype", "")),
+        ),
+        tokenizer=dict(engine.get("tokenizer") or {}),
+        chat_template_sha256=str(engine.get("chat_template_sha256", "")),
+        aux_layer_ids=list(engine.get("aux_layer_ids", [])),
+        hf_indices=list(engine.get("hf_indices", [])),
+        dtype=FP8_DTYPE if fp8 else engine_dtype,
+        source_dtype=engine_dtype if fp8 else None,
+        schema_version=FP8_SCHEMA_VERSION if fp8 else SCHEMA_VERSION,
+        hidden_size=int(engine.get("hidden_size", 0)),
+        counts=counts or Counts(),
+        shards=shards or [],
+        final_state=str(engine.get("final_state", "post")),
+        engine={
+            "backend": engine.get("backend", ""),
+            "protocol_version": engine.get("protocol_version"),
+            **dict(engine.get("extra") or {}),
+        },
+        extra=extra or {},
+    )

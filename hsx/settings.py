@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from hsx.fsutil import WRITE_BEHIND_WINDOW
+
+log = logging.getLogger(__name__)
+
+# Old environment names still read, each with the field that replaced it.
+DEPRECATED_ENV = {"HSX_SAMPLES_PER_UNIT": "samples_per_shard"}
 
 
 def _default_dump_dir() -> str:
@@ -56,7 +62,9 @@ class Settings(BaseSettings):
     tokenizer_path: str = ""  # empty: the engine's model path (the worker is colocated with its engine)
 
     # Work splitting and the lease protocol (the job table is the source of truth, RQ only wakes workers).
-    samples_per_unit: int = 64
+    # Samples per work unit, and so per shard, for a job whose options name none (the option of the same
+    # name overrides it per job). HSX_SAMPLES_PER_UNIT, its old name, is still read (deprecated).
+    samples_per_shard: int = Field(64, ge=1, le=65536)
     lease_seconds: float = 60.0
     heartbeat_seconds: float = 10.0
     reconcile_seconds: float = 15.0
@@ -81,6 +89,14 @@ class Settings(BaseSettings):
     # A job that no fit engine has worked on for this long (every engine that tried is unfit or down, and
     # no lease is live) fails, naming them; until then it waits for a healthy worker.
     no_fit_engine_seconds: float = 300.0
+    # Other engines may join (workers on other hosts, engines still starting): POST /jobs then accepts a job
+    # that HSX_ENGINE_URL's engine fails the preflight for, and the job waits no_fit_engine_seconds for a
+    # fit one. Off: such a job is refused at once with a 422 naming the failed checks.
+    engine_fleet: bool = False
+    # How long POST /jobs trusts a preflight of an engine whose identity (everything /hsx/info reports) is
+    # unchanged: a restart with other settings is another identity, checked afresh. A preflight is two short
+    # prefills, yet took 20-30 s on the loaded 2-core test host (bench/submit.py).
+    submit_preflight_ttl_seconds: float = 600.0
     # Refuse a job whose projected output does not fit in the output filesystem's free space (at prepare).
     # Off for filesystems whose free space means nothing (some network and FUSE mounts).
     check_output_space: bool = True
@@ -127,9 +143,28 @@ class Settings(BaseSettings):
     # Besides the output directory, publish each finished job to <output_uri>/<job_id> (s3://bucket/prefix;
     # the bucket must be in allowed_buckets). A job succeeds only once every object is confirmed there.
     output_uri: str = ""
+    # Streaming (docs/streaming.md): what a consume job may hold committed but unacknowledged, plus what its
+    # workers have in flight, unless the job names its own buffer_cap_bytes; and how long a consumer keeps
+    # an item it leased without acknowledging it before the item goes to another consumer.
+    stream_buffer_cap_bytes: int = 8 << 30
+    stream_lease_seconds: float = 300.0
+    # A worker that finds a consume job at its cap waits this long for an acknowledgement (blocking on
+    # Redis) before it leaves the job to the queue's wake-up; 0 leaves at once.
+    stream_room_wait_seconds: float = 10.0
     # Logs: "json" (one object a line) or "text" (key=value); both carry job, unit, attempt and rid.
     log_format: Literal["json", "text"] = "text"
     log_level: str = "INFO"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_env_names(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        for old, field in DEPRECATED_ENV.items():
+            if old in os.environ and field not in values:
+                log.warning("%s is deprecated; set HSX_%s instead", old, field.upper())
+                values = {**values, field: os.environ[old]}
+        return values
 
     @field_validator("allowed_uri_schemes", "dataset_roots", "allowed_buckets", mode="before")
     @classmethod

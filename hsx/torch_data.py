@@ -8,6 +8,8 @@
   sample counts (largest shard first to the least loaded part), so ranks differ by at most one shard's
   samples; a worker can still get nothing when a rank has fewer shards than workers, so choose
   ``samples_per_shard`` with that in mind.
+* :class:`JobStream` (:mod:`hsx.streams.torch_stream`): follows a running job through the API, shard by
+  shard as units commit, acknowledged by the training loop after each optimizer step (docs/streaming.md).
 * :func:`collate_samples`: pads a list of samples into a batch and builds the attention mask.
 
 Each item is a dict: ``index`` (dataset index), ``input_ids`` int64 [T], ``loss_mask`` int64 [T],
@@ -33,20 +35,23 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from hsx.loader import OutputReader, Sample
-from hsx.manifest import Manifest
+from hsx.manifest import FP8_DTYPE, Manifest
 
 Item = dict[str, Any]
 STATE_FIELDS = ("hidden_state", "aux_hidden_state", "final_pre_norm")
 
 
-def _states(words: npt.NDArray[Any], bf16: bool) -> torch.Tensor:
+def _states(words: npt.NDArray[Any], bf16: bool, to_bf16: bool = False) -> torch.Tensor:
     if bf16:  # uint16 words of bf16 values: the same bits reinterpreted, no copy
         return torch.from_numpy(words.view(np.int16)).view(torch.bfloat16)
+    if to_bf16:
+        return torch.from_numpy(words).to(torch.bfloat16)
     return torch.from_numpy(words)
 
 
-def sample_item(sample: Sample, bf16: bool) -> Item:
-    """One sample (read with ``raw_bf16`` when the shards are BF16) as a dict of tensors."""
+def sample_item(sample: Sample, bf16: bool, to_bf16: bool = False) -> Item:
+    """One sample (read with ``raw_bf16`` when the shards are BF16) as a dict of tensors; ``to_bf16``
+    narrows float32 states (an fp8 output's, dequantized by the reader) to bfloat16."""
     item: Item = {
         "index": sample.index,
         "input_ids": torch.from_numpy(sample.input_ids.astype(np.int64)),
@@ -55,7 +60,7 @@ def sample_item(sample: Sample, bf16: bool) -> Item:
     for name in STATE_FIELDS:
         value = getattr(sample, name, None)
         if value is not None:
-            item[name] = _states(value, bf16)
+            item[name] = _states(value, bf16, to_bf16)
     return item
 
 
@@ -88,6 +93,7 @@ class OutputDataset(Dataset[Item]):
         self.output_dir = Path(output_dir)
         self.manifest = Manifest.load(self.output_dir)
         self._bf16 = self.manifest.dtype == "BF16"
+        self._fp8 = self.manifest.dtype == FP8_DTYPE  # dequantized by the reader, handed on as bf16
         self._length = sum(entry.samples for entry in self.manifest.shards)
         self._reader = _ProcessLocalReader(self.output_dir, verify_checksums)
 
@@ -95,7 +101,7 @@ class OutputDataset(Dataset[Item]):
         return self._length
 
     def __getitem__(self, i: int) -> Item:
-        return sample_item(self._reader.get()[i], self._bf16)
+        return sample_item(self._reader.get()[i], self._bf16, self._fp8)
 
 
 def split_shards(counts: Sequence[int], parts: int, order: Sequence[int] | None = None) -> list[list[int]]:
@@ -154,6 +160,7 @@ class ShardedIterableDataset(IterableDataset[Item]):
         self.seed = seed
         self.epoch = 0
         self._bf16 = self.manifest.dtype == "BF16"
+        self._fp8 = self.manifest.dtype == FP8_DTYPE
         self._reader = _ProcessLocalReader(self.output_dir, verify_checksums)
 
     def set_epoch(self, epoch: int) -> None:
@@ -175,7 +182,7 @@ class ShardedIterableDataset(IterableDataset[Item]):
         reader = self._reader.get()
         for shard in self.shards_for(worker, num_workers):
             for sample in reader.iter_shard(shard):
-                yield sample_item(sample, self._bf16)
+                yield sample_item(sample, self._bf16, self._fp8)
 
 
 def collate_samples(
@@ -214,6 +221,8 @@ def collate_samples(
             raise ValueError(f"{name} is in some samples of the batch and not in others")
         first = batch[0][name]
         out[name] = torch.zeros((size, width, first.shape[1]), dtype=first.dtype)
+    if "stream_ref" in batch[0]:  # JobStream samples: what JobStream.ack needs after the optimizer step
+        out["stream_ref"] = [item["stream_ref"] for item in batch]
     for row, (item, length) in enumerate(zip(batch, lengths, strict=True)):
         out["input_ids"][row, :length] = item["input_ids"][:length]
         out["attention_mask"][row, :length] = 1
@@ -222,3 +231,16 @@ def collate_samples(
             if name in out:
                 out[name][row, :length] = item[name][:length]
     return out
+
+
+from hsx.streams.torch_stream import JobStream, JobStreamError  # noqa: E402  (re-exported here)
+
+__all__ = [
+    "JobStream",
+    "JobStreamError",
+    "OutputDataset",
+    "ShardedIterableDataset",
+    "collate_samples",
+    "sample_item",
+    "split_shards",
+]

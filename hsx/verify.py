@@ -2,12 +2,15 @@
 
 Two prompts that share a long prefix go to the engine one after the other, without ``extra_key``: an engine
 whose prefix cache is on (SGLang's radix cache by default) recomputes only the second prompt's tail and
-dumps a truncated capture, which shows up here as a failing ``cached_tokens`` check. Each dump must also
-hold exactly the sent tokens, every expected layer, the model's hidden size and only finite values.
+dumps a truncated capture, which shows up here as a failing ``cached_tokens`` check. Each dump is judged
+by the job's own validator (:func:`hsx.dumps.validate_open_dump`): the report lists its every check, so
+a passing preflight proves exactly what a job applies to each sample (plus a count of NaN/Inf in every
+byte, where the job may rely on the engine's count and its copy-time check).
 
 It also says why an engine is unfit, before any prompt: a protocol it does not speak, a prefix cache
 that is on, and, given a job (its engine record and options), how it differs from the engine that job
-started with (``hsx verify --job ID``; see :mod:`hsx.engine_fitness`).
+started with (``hsx verify --job ID``; see :mod:`hsx.engine_fitness`); for an fp8 job, also that a few of
+its stored samples are within the documented error bound of this engine's states (:mod:`hsx.verify_fp8`).
 
 No torch: the API runs this. A torch comparison against transformers plugs in through ``dump_check``.
 """
@@ -17,15 +20,16 @@ from __future__ import annotations
 import os
 import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import Tokenizer
 
 from hsx import contract, engine_fitness
-from hsx.engine_client import Dump, DumpMissing, EngineClient, EngineError, EngineRejected
-from hsx.validation import count_non_finite
+from hsx.dumps import Dump, delete_dump, load_states, open_dump, validate_open_dump
+from hsx.engine_client import DumpMissing, EngineClient, EngineError, EngineRejected
+from hsx.validation import Check as Check  # the validator's check is the report's
 
 # About 50 tokens shared by both prompts, then different endings: long enough that any prefix cache hits.
 SHARED_PREFIX = (
@@ -38,17 +42,6 @@ PROMPT_B = SHARED_PREFIX + " Tonight a storm rolled in from the west and the shi
 
 DEFAULT_TIMEOUT_SECONDS = 120.0
 DEFAULT_DUMP_WAIT_SECONDS = 30.0
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    expected: Any
-    actual: Any
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -105,6 +98,11 @@ def run_verification(
             ids = list(tokenizer.encode(text).ids) if tokenizer else [3 + b for b in text.encode()]
             rid = f"{contract.RID_PREFIX}{tag}-{run_id}-{label}"
             _check_prompt(client, info, directory, label, ids, rid, dump_check, dump_wait_seconds, checks)
+        if job is not None:
+            from hsx.verify_fp8 import fp8_job_checks
+
+            # An fp8 job: a few of its stored samples against this engine's states for the same tokens.
+            checks.extend(fp8_job_checks(client, info, directory, job, dump_wait_seconds=dump_wait_seconds))
     return _report(checks)
 
 
@@ -189,63 +187,20 @@ def _check_prompt(
         return
     meta_info = reply["meta_info"]
     cached = meta_info.get("cached_tokens")
-    checks.append(
-        Check(f"{label}.cached_tokens", cached == 0, 0, cached if cached is not None else "missing")
-    )
+    # The reply's own count, as the job reads it (a missing one makes the job call the engine unfit).
+    reported = cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
     prompt_tokens = meta_info.get("prompt_tokens")
     checks.append(Check(f"{label}.prompt_tokens", prompt_tokens == len(ids), len(ids), prompt_tokens))
     try:
-        dump = client.read_dump(dump_dir, rid, dump_wait_seconds)
-    except DumpMissing as exc:
+        with open_dump(dump_dir, rid, dump_wait_seconds) as dump:
+            # The job's own validator on the known prompt, also counting NaN/Inf in every byte.
+            verdict = validate_open_dump(dump, ids, reported, info, count_values=True)
+            for check in verdict.checks:
+                check.name = f"{label}.{check.name}"
+            checks.extend(verdict.checks)
+            if dump_check is not None:
+                checks.extend(dump_check(label, ids, load_states(dump)))
+    except DumpMissing as exc:  # DumpCorrupt included
         checks.append(Check(f"{label}.dump", False, f"a dump in {dump_dir}", str(exc)))
-        client.delete_dump(dump_dir, rid)
-        return
-    try:
-        checks.extend(_dump_checks(info, label, ids, dump))
-        if dump_check is not None:
-            checks.extend(dump_check(label, ids, dump))
     finally:
-        client.delete_dump(dump_dir, rid)
-
-
-def _dump_checks(info: contract.EngineInfo, label: str, ids: Sequence[int], dump: Dump) -> list[Check]:
-    checks: list[Check] = []
-    if dump.meta.cached_tokens != 0:
-        checks.append(Check(f"{label}.meta_cached_tokens", False, 0, dump.meta.cached_tokens))
-    rows = {"meta": dump.meta.num_tokens, "input_ids": int(dump.input_ids.size)}
-    rows.update({f"hidden.{index}": int(state.shape[0]) for index, state in sorted(dump.states.items())})
-    uniform = len(set(rows.values())) == 1
-    checks.append(
-        Check(
-            f"{label}.dumped_tokens",
-            uniform and dump.meta.num_tokens == len(ids),
-            len(ids),
-            dump.meta.num_tokens if uniform else rows,
-        )
-    )
-    checks.append(Check(f"{label}.input_ids", *_compare_ids(ids, dump.input_ids.tolist())))
-    non_finite = sum(count_non_finite(state, dump.dtypes[index]) for index, state in dump.states.items())
-    checks.append(Check(f"{label}.finite", non_finite == 0, 0, non_finite))
-    layers = sorted(dump.states)
-    # With only the pre-norm final state captured, hidden.<N> is absent (final_pre_norm stands for it).
-    expected = sorted(info.hf_indices if info.final_state != "pre" else info.hf_indices[:-1])
-    checks.append(Check(f"{label}.layers", layers == expected, expected, layers))
-    try:
-        expected_dtype = contract.canonical_state_dtype(info.dtype)
-    except ValueError:
-        expected_dtype = info.dtype
-    dtypes = sorted(set(dump.dtypes.values()))
-    checks.append(Check(f"{label}.dtype", dtypes == [expected_dtype], expected_dtype, dtypes))
-    widths = sorted({int(state.shape[-1]) if state.ndim == 2 else -1 for state in dump.states.values()})
-    checks.append(Check(f"{label}.hidden_size", widths == [info.hidden_size], info.hidden_size, widths))
-    return checks
-
-
-def _compare_ids(sent: Sequence[int], dumped: Sequence[int]) -> tuple[bool, str, str]:
-    expected = f"the {len(sent)} sent ids"
-    if list(sent) == list(dumped):
-        return True, expected, "identical"
-    if len(sent) != len(dumped):
-        return False, expected, f"{len(dumped)} ids"
-    first = next(i for i, (a, b) in enumerate(zip(sent, dumped, strict=True)) if a != b)
-    return False, expected, f"differ from position {first} (dumped {dumped[first]}, sent {sent[first]})"
+        delete_dump(dump_dir, rid)

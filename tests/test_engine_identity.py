@@ -121,17 +121,19 @@ def test_another_chat_template_never_takes_a_unit(
 
 
 @postgres_only
-def test_a_prefix_cache_without_namespaces_is_unfit_and_readyz_says_why(
+def test_a_prefix_cache_is_unfit_even_with_namespaces_and_readyz_says_why(
     db_url: str, redis_url: str, engine_cache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    stack = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch)
+    stack = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch, engine_fleet="true")
     data = write_pretokenized(tmp_path / "d.jsonl", [30] * 2)
-    job_id = stack.submit(data, cache_namespace_per_request=False)["id"]
+    # Per-request namespaces (the default) are a second guard, never a licence: the engine is refused.
+    job_id = stack.submit(data)["id"]
+    assert stack.job(job_id)["options"]["cache_namespace_per_request"] is True
     refused = runner(engine_cache.url)(job_id).run()
     assert "prefix cache is on" in refused.summary, refused
     doc = stack.job(job_id)
     assert doc["state"] == "queued" and doc["progress"]["units_total"] == 0
-    assert "cache_namespace_per_request=false" in doc["engines"][0]["reason"]
+    assert "per-request cache namespaces do not make it fit" in doc["engines"][0]["reason"]
     ready = stack.client.get("/readyz").json()
     assert any("prefix cache on" in note for note in ready["engine_notes"]), ready
     assert "prefix cache is on" in ready["engine_unfit_for_jobs"][job_id]

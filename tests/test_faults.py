@@ -323,7 +323,7 @@ def uninterrupted_output(engine: Any, tmp: Path, dataset: Path, total: int, per_
         upgrade(s.env["HSX_DATABASE_URL"])
         job_id = str(s.submit(dataset, samples_per_shard=per_shard)["id"])
         runner = JobRunner(job_id, get_settings())
-        while runner.run_one().more_work:
+        while runner.run(max_units=1).more_work:
             pass
         queue_for(get_settings()).empty()  # type: ignore[no-untyped-call]
         out = assert_exactly_once(s, s.job(job_id), total)
@@ -566,7 +566,7 @@ def test_commit_retried_after_its_connection_drops_past_the_rename(
 
     monkeypatch.setattr("workers.unit_commit.crash_point", cut_connection)
     runner = JobRunner(job_id, get_settings())
-    while runner.run_one().more_work:
+    while runner.run(max_units=1).more_work:
         pass
     assert cut and cut[0] >= 1, "the committing connection was cut"
     doc = fast.job(job_id)

@@ -45,14 +45,16 @@ def synth(
         get_settings.cache_clear()
 
 
-def runner(url: str, preflight: bool = True, **overrides: Any) -> Any:
-    """The job runner of a worker whose engine is at ``url``."""
+def runner(url: str, unchecked: bool = False, **overrides: Any) -> Any:
+    """The job runner of a worker whose engine is at ``url`` (``unchecked``: let in past the preflight and
+    the cache rule, see tests.fixtures.unchecked_runner)."""
     from hsx.settings import get_settings
+    from tests.fixtures.unchecked_runner import UncheckedRunner
     from workers.job_runner import JobRunner
 
     def make(job_id: str) -> JobRunner:
         settings = get_settings().model_copy(update={"engine_url": url, **overrides})
-        return JobRunner(job_id, settings, preflight=preflight)
+        return (UncheckedRunner if unchecked else JobRunner)(job_id, settings)
 
     return make
 
@@ -235,7 +237,16 @@ def test_an_engine_without_hsx_info_takes_no_unit_and_a_healthy_one_finishes(
 def test_a_job_no_fit_engine_serves_fails_after_the_window_naming_the_engines(
     db_url: str, redis_url: str, plain_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    stack = make_stack(db_url, redis_url, plain_server, tmp_path, monkeypatch, no_fit_engine_seconds="0.3")
+    # A fleet: other engines may join, so the submission waits for one instead of a 422 (test_api_usability).
+    stack = make_stack(
+        db_url,
+        redis_url,
+        plain_server,
+        tmp_path,
+        monkeypatch,
+        no_fit_engine_seconds="0.3",
+        engine_fleet="true",
+    )
     job_id = stack.submit(write_pretokenized(tmp_path / "d.jsonl", [30] * 2))["id"]
     first_try = time.monotonic()
     runner(plain_server)(job_id).run()
@@ -256,14 +267,14 @@ def test_an_engine_whose_dumps_break_its_own_dtype_is_refused_and_gives_its_unit
     db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     liar = engines.start("--reported-dtype", "float16")
-    stack = make_stack(db_url, redis_url, liar.url, tmp_path, monkeypatch)
+    stack = make_stack(db_url, redis_url, liar.url, tmp_path, monkeypatch, engine_fleet="true")
     job_id = stack.submit(write_pretokenized(tmp_path / "d.jsonl", [30] * 4), samples_per_shard=2)["id"]
     # The preflight reads a dump and sees the dtype differ from what the engine reports.
     refused = runner(liar.url)(job_id).run()
     assert "preflight" in refused.summary and ".dtype" in refused.summary, refused
     assert stack.job(job_id)["progress"]["units_total"] == 0, "refused before preparing"
-    # Past the preflight (a test's bypass), the first dump gives it away: the unit goes back untouched.
-    outcome = runner(liar.url, preflight=False)(job_id).run()
+    # Past the preflight (let in unchecked), the first dump gives it away: the unit goes back untouched.
+    outcome = runner(liar.url, unchecked=True)(job_id).run()
     assert "unfit" in outcome.summary and "dumps BF16" in outcome.summary, outcome
     doc = stack.job(job_id)
     assert doc["state"] == "running" and doc["shards"]["total"] == 0 and doc["rejections"] == {}
@@ -363,10 +374,10 @@ def test_retry_reruns_engine_side_rejections_and_publishes_each_sample_once(
                 {"role": "assistant", "content": f"{i} plus {i + 3} is {2 * i + 3}."},
             ]
             fh.write(json.dumps({"messages": messages}) + "\n")
-    stack = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch)
+    stack = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch, engine_fleet="true")
     job_id = stack.submit(sample, samples_per_shard=32, cache_namespace_per_request=False)["id"]
     try:
-        runner(engine_cache.url, preflight=False)(job_id).run()
+        runner(engine_cache.url, unchecked=True)(job_id).run()
     finally:
         # Every chat prompt shares its first tokens with these: other tests' prompts must not hit them.
         httpx.post(f"{engine_cache.url}/flush_cache", timeout=30).raise_for_status()
@@ -405,7 +416,7 @@ def test_retry_reruns_engine_side_rejections_and_publishes_each_sample_once(
 def test_a_stale_attempt_can_neither_fail_the_job_nor_count_a_failure(db_url: str, tmp_path: Path) -> None:
     """``_fail`` acting for a unit checks the lease: an attempt whose lease was taken does nothing."""
     from hsx.db.session import session_scope
-    from hsx.jobs import recovery
+    from hsx.jobs import queries, recovery
     from hsx.jobs import repository as repo
 
     job_id = running_job(db_url, tmp_path, units=1)
@@ -419,12 +430,12 @@ def test_a_stale_attempt_can_neither_fail_the_job_nor_count_a_failure(db_url: st
         assert not recovery.fail_unit_and_job(session, stale, "stale", time.time())
         assert not recovery.count_unit_failure(session, stale, "stale", 1).recorded
     with session_scope(db_url) as session:
-        assert repo.job_state(session, job_id) == "running"
+        assert queries.job_state(session, job_id) == "running"
         counted = recovery.count_unit_failure(session, current, "real", 3)
     assert counted.recorded and counted.failures == 1 and not counted.unit_failed
     with session_scope(db_url) as session:
-        assert repo.job_state(session, job_id) == "running"
-        assert repo.unit_counts(session, job_id) == {"pending": 1}
+        assert queries.job_state(session, job_id) == "running"
+        assert queries.unit_counts(session, job_id) == {"pending": 1}
 
 
 def test_migrations_match_the_models(tmp_path: Path) -> None:

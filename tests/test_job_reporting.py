@@ -181,18 +181,20 @@ def test_progress_and_eta_move_before_a_single_unit_job_commits(
 
 
 @postgres_only
+@pytest.mark.parametrize("state_dtype", ["engine", "fp8_e4m3"])
 def test_the_output_size_is_projected_exactly_for_pretokenized_records(
-    synth: tuple[Stack, Synthetic],
+    synth: tuple[Stack, Synthetic], state_dtype: str
 ) -> None:
     stack, engine = synth
     data = write_pretokenized(stack.tmp / "d.jsonl", [30, 50, 70, 20, 45])
-    job_id = stack.submit(data, samples_per_shard=2)["id"]
+    job_id = stack.submit(data, samples_per_shard=2, state_dtype=state_dtype)["id"]
     runner(engine.url)(job_id).run()
     doc = stack.job(job_id)
     output = doc["output"]
     written = sum(p.stat().st_size for p in Path(doc["output_dir"]).glob("shard-*.safetensors"))
     assert output["projection_exact"] is True and output["bytes_written"] == written
-    states = 215 * HIDDEN * 2 * 4  # tokens x hidden x bf16 x (3 aux + final)
+    # tokens x (3 aux + final) x (hidden x bf16, or hidden x fp8 plus a float32 scale)
+    states = 215 * 4 * (HIDDEN * 2 if state_dtype == "engine" else HIDDEN + 4)
     assert states < written <= output["projected_bytes"] <= written + 16 * 3, (output, written)
     assert output["free_bytes_at_prepare"] > output["projected_bytes"]
 

@@ -136,14 +136,24 @@ def test_idempotency_key_cancel_and_listing(stack: Stack) -> None:
 def test_preflight_refuses_a_prefix_caching_engine(
     db_url: str, redis_url: str, engine_cache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The only engine is unfit: with no time granted to wait for a fit one, the job fails at its refusal.
-    s = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch, no_fit_engine_seconds="0")
+    # In a fleet the submission is queued for engines that may join (alone, POST /jobs refuses it: see
+    # test_api_usability). The only engine is unfit: with no time granted to wait, the job fails at once.
+    s = make_stack(
+        db_url,
+        redis_url,
+        engine_cache.url,
+        tmp_path,
+        monkeypatch,
+        no_fit_engine_seconds="0",
+        engine_fleet="true",
+    )
     job = s.submit(SAMPLE)
+    assert "fleet" in job["engine_wait"] and "0s" in job["engine_wait"], job["engine_wait"]
     assert s.run_burst() == 0, s.logs()
     doc = s.wait(job["id"], timeout=30)
     assert doc["state"] == "failed"
     assert doc["error"].startswith("no fit engine"), doc["error"]
-    assert "preflight" in doc["error"] and "cached_tokens" in doc["error"], doc["error"]
+    assert "prefix cache is on" in doc["error"], doc["error"]
     assert doc["engines"][0]["state"] == "unfit" and doc["progress"]["units_total"] == 0
     assert doc["progress"]["samples_done"] == 0 and doc["shards"]["total"] == 0
     verify = s.client.post("/verify")
@@ -157,12 +167,12 @@ def test_truncated_states_never_reach_a_shard_when_preflight_is_bypassed(
 ) -> None:
     """The cache-on engine really truncates prompts that share a prefix; validation must catch every one."""
     from hsx.settings import get_settings
-    from workers.job_runner import JobRunner
+    from tests.fixtures.unchecked_runner import UncheckedRunner
 
-    s = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch)
+    s = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch, engine_fleet="true")
     job = s.submit(SAMPLE, samples_per_shard=32, cache_namespace_per_request=False)
-    runner = JobRunner(job["id"], get_settings(), preflight=False)
-    while runner.run_one().more_work:
+    runner = UncheckedRunner(job["id"], get_settings())
+    while runner.run(max_units=1).more_work:
         pass
     doc = s.job(job["id"])
     assert doc["state"] == "succeeded", doc

@@ -197,3 +197,25 @@ def test_scrape_reports_an_unreachable_redis_and_still_shows_the_job_table(
 def test_metrics_need_the_token(stack: Stack) -> None:
     resp = stack.client.get("/metrics", headers={"Authorization": "Bearer wrong"})
     assert resp.status_code == 401 and resp.json()["error"] == "unauthorized"
+
+
+@postgres_only
+def test_failed_wakeups_count_only_what_really_failed(stack: Stack) -> None:
+    """A work horse killed mid-unit leaves its wake-up in RQ's failed registry, yet nothing failed: the
+    unit is run again and the job succeeds. Only a wake-up whose function raised counts as failed."""
+    from hsx.jobs.queue import RUN_UNIT, queue_for
+
+    job = stack.submit(SAMPLE, samples_per_shard=2)
+    crash = {"HSX_CRASH_AT": "mid_unit", "HSX_CRASH_ONCE_FILE": str(stack.tmp / "crashed")}
+    assert stack.run_burst(timeout=240, extra_env=crash) == 0, stack.logs()
+    assert (stack.tmp / "crashed").exists(), "the horse never reached its crash point"
+    assert stack.wait(job["id"], timeout=60)["state"] == "succeeded", stack.logs()
+    queue = queue_for(stack.settings)
+    killed = queue.failed_job_registry.count
+    assert killed >= 1, "RQ filed the killed horse's wake-up as failed"
+    m = scrape(stack)
+    assert value(m, "hsx_queue_failed") == 0 and value(m, "hsx_queue_interrupted") == killed
+    queue.enqueue(RUN_UNIT)  # no job id: the function raises TypeError, a real failure
+    assert stack.run_burst(timeout=240) == 0, stack.logs()
+    m = scrape(stack)
+    assert value(m, "hsx_queue_failed") == 1 and value(m, "hsx_queue_interrupted") == killed

@@ -35,7 +35,7 @@ def test_two_engine_worker_pairs_share_one_job(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from hsx.db.session import session_scope
-    from hsx.jobs.repository import done_units_by_owner_engine
+    from hsx.jobs.queries import done_units_by_engine
     from hsx.loader import iter_samples
 
     stack = make_stack(db_url, redis_url, engine_nocache.url, tmp_path, monkeypatch)
@@ -51,7 +51,7 @@ def test_two_engine_worker_pairs_share_one_job(
         stack.stop_workers()
     assert doc["state"] == "succeeded", (doc, stack.logs())
     with session_scope(db_url) as session:
-        per_engine = done_units_by_owner_engine(session, job["id"])
+        per_engine = done_units_by_engine(session, job["id"])
     assert set(per_engine) == {engine_nocache.url, second_engine}, per_engine
     assert (
         all(n >= 1 for n in per_engine.values())

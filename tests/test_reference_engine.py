@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hsx import contract
-from hsx.engine_client import Dump, as_float32
+from hsx.dumps import Dump, as_float32, read_dump
 from hsx.settings import Settings
 from tests.fixtures.engine import RunningEngine, captured_rid, unique_prompt
 from workers.engines.model_store import DEFAULT_MODEL, convert_gguf, resolve_model_dir
@@ -31,7 +31,7 @@ def prefill(
 ) -> tuple[dict[str, Any], Dump]:
     rid = captured_rid()
     reply = engine.client.prefill(ids, rid, extra_key)
-    return reply, engine.client.read_dump(engine.dump_dir, rid, wait_seconds=10)
+    return reply, read_dump(engine.dump_dir, rid, wait_seconds=10)
 
 
 def test_info_describes_the_engine(engine_nocache: RunningEngine, engine_cache: RunningEngine) -> None:

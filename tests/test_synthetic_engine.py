@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from hsx import contract
-from hsx.engine_client import EngineClient, read_dump
+from hsx.dumps import read_dump
+from hsx.engine_client import EngineClient
 from hsx.local_stack import free_port, hsx_command, local_stack, wait_http
 from hsx.safetensors_io import read_file
-from hsx.validation import validate_dump
+from tests.fixtures.dump_checks import validate_dump
 from workers.engines.synthetic.engine import (
     SyntheticConfig,
     SyntheticEngine,

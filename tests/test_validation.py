@@ -11,17 +11,10 @@ import numpy.typing as npt
 import pytest
 
 from hsx import contract, validation
-from hsx.engine_client import (
-    Dump,
-    DumpCorrupt,
-    DumpMissing,
-    EngineClient,
-    EngineRejected,
-    EngineUnavailable,
-    as_float32,
-    read_dump,
-)
-from hsx.validation import SampleRejected, validate_dump
+from hsx.dumps import Dump, as_float32, delete_dump, open_dump, read_dump, validate_open_dump
+from hsx.engine_client import DumpCorrupt, DumpMissing, EngineClient, EngineRejected, EngineUnavailable
+from hsx.validation import SampleRejected
+from tests.fixtures.dump_checks import validate_dump
 from tests.fixtures.engine import RunningEngine, captured_rid, unique_prompt
 
 HIDDEN = 576
@@ -156,6 +149,88 @@ def test_non_finite(engine_nocache: RunningEngine, clean: tuple[list[int], str],
     assert "hidden.27 has 1 NaN/Inf" in expect(
         "non_finite", engine_nocache, load(engine_nocache, bad_rid), ids
     )
+    # The job's and the preflight's path: the open dump, counted chunk by chunk in its bytes.
+    info = contract.EngineInfo.from_dict({**engine_nocache.info.to_dict(), "dtype": dtype})
+    with open_dump(engine_nocache.dump_dir, bad_rid, 1) as opened:
+        verdict = validate_open_dump(opened, ids, 0, info, count_values=True)
+    failure = verdict.first_failure
+    assert failure is not None and failure.reason == "non_finite" and failure.name == "finite"
+    assert "hidden.27 has 1 NaN/Inf" in failure.detail and failure.actual == 2
+    with open_dump(engine_nocache.dump_dir, good_rid, 1) as opened:
+        assert validate_open_dump(opened, ids, 0, info, count_values=True).ok
+
+
+JOB_CHECKS = ["cached_tokens", "dumped_tokens", "input_ids", "layers", "hidden_size", "finite", "dtype"]
+
+
+def test_one_verdict_lists_every_check(engine_nocache: RunningEngine, clean: tuple[list[int], str]) -> None:
+    """The open dump's verdict (what the job applies, what the preflight reports): every check, in order,
+    with expected and actual, and no reason on a pass."""
+    ids, rid = clean
+    info = engine_nocache.info
+    with open_dump(engine_nocache.dump_dir, rid, 10) as dump:
+        for count_values in (False, True):
+            verdict = validate_open_dump(dump, ids, 0, info, count_values=count_values)
+            assert verdict.ok and verdict.first_failure is None and verdict.rejection() is None
+            assert [check.name for check in verdict.checks] == JOB_CHECKS
+            assert all(check.reason is None and check.detail == "" for check in verdict.checks)
+            by_name = {check.name: check for check in verdict.checks}
+            assert by_name["dumped_tokens"].actual == len(ids) == by_name["dumped_tokens"].expected
+            assert by_name["hidden_size"].actual == [HIDDEN]
+            assert by_name["layers"].expected == sorted(f"hidden.{i}" for i in info.hf_indices)
+
+
+def test_the_first_failure_is_the_rejection(
+    engine_nocache: RunningEngine, clean: tuple[list[int], str]
+) -> None:
+    ids, rid = clean
+    with open_dump(engine_nocache.dump_dir, rid, 10) as dump:
+        verdict = validate_open_dump(dump, ids + [42], 3, engine_nocache.info)
+        failed = [check.name for check in verdict.checks if not check.ok]
+        assert failed == ["cached_tokens", "dumped_tokens", "input_ids"]
+        rejection = verdict.rejection()
+        assert rejection is not None and rejection.reason == "cached_tokens"
+        assert "response said 3" in rejection.detail
+        token_count = next(check for check in verdict.checks if check.name == "dumped_tokens")
+        assert token_count.reason == "token_count"
+        assert token_count.detail == "meta says 9 tokens, 10 were sent"
+        # A reply without cached_tokens cannot pass: a cache hit could not be told apart.
+        missing = validate_open_dump(dump, ids, None, engine_nocache.info).first_failure
+        assert missing is not None and missing.name == "cached_tokens" and "no meta_info" in missing.detail
+
+
+def test_a_dtype_other_than_the_reported_one_fails_last(
+    engine_nocache: RunningEngine, clean: tuple[list[int], str]
+) -> None:
+    """A dump in another dtype than the engine reports: the job calls the engine unfit (unit_processor)."""
+    ids, rid = clean
+    info = contract.EngineInfo.from_dict(engine_nocache.info.to_dict())
+    dumped = contract.canonical_state_dtype(info.dtype)
+    info.dtype = "BF16" if dumped != "BF16" else "F32"
+    with open_dump(engine_nocache.dump_dir, rid, 10) as dump:
+        verdict = validate_open_dump(dump, ids, 0, info)
+    failure = verdict.first_failure
+    assert failure is not None and failure.name == "dtype" and failure.reason == "dtype_mismatch"
+    assert failure.actual == [dumped] and f"but dumps {dumped}" in failure.detail
+    # With a width error as well, the sample's own fault comes first.
+    info.hidden_size = HIDDEN + 1
+    with open_dump(engine_nocache.dump_dir, rid, 10) as dump:
+        first = validate_open_dump(dump, ids, 0, info).first_failure
+    assert first is not None and first.reason == "hidden_size_mismatch"
+
+
+def test_one_non_finite_count_for_chunks_and_arrays() -> None:
+    values = np.array([1.0, np.nan, -np.inf, 2.0, np.inf], dtype=np.float32)
+    assert validation.count_non_finite(values, "F32") == 3
+    assert validation.count_non_finite(values.tobytes(), "float32") == 3
+    words = to_bf16_words(values)
+    assert validation.count_non_finite(words, "BF16") == 3
+    assert validation.count_non_finite(memoryview(words.tobytes()), "bf16") == 3
+    halves = values.astype(np.float16)
+    assert validation.count_non_finite(halves.view(np.uint16), "F16") == 3
+    assert validation.count_non_finite(np.ones(4, dtype=np.float32), "F32") == 0
+    with pytest.raises(ValueError):
+        validation.count_non_finite(b"\0" * 8, "I64")
 
 
 def test_bf16_words_widen_to_float32() -> None:
@@ -197,7 +272,7 @@ def test_delete_dump(engine_nocache: RunningEngine) -> None:
     rid = captured_rid("delete")
     engine_nocache.client.prefill(unique_prompt(3), rid)
     assert Path(contract.dump_path(engine_nocache.dump_dir, rid), contract.META_FILE).is_file()
-    engine_nocache.client.delete_dump(engine_nocache.dump_dir, rid)
+    delete_dump(engine_nocache.dump_dir, rid)
     assert not Path(contract.dump_path(engine_nocache.dump_dir, rid)).exists()
 
 

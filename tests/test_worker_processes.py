@@ -42,10 +42,10 @@ def registered_workers(stack: Stack) -> int:
 
 def live_leases(db_url: str, job_id: str) -> int:
     from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
+    from hsx.jobs import queries
 
     with session_scope(db_url) as session:
-        return repo.live_lease_count(session, job_id, time.time())
+        return queries.live_lease_count(session, job_id, time.time())
 
 
 def test_every_worker_process_holds_a_lease_and_nothing_is_lost(

@@ -21,7 +21,8 @@ from hsx import engine_fitness
 from hsx.contract import EngineInfo
 from hsx.db.models import JobState
 from hsx.db.session import session_scope
-from hsx.jobs import engines as job_engines
+from hsx.job_options import JobOptions
+from hsx.jobs import engines_met, queries
 from hsx.jobs import repository as repo
 from hsx.retry import DATABASE
 from hsx.settings import Settings
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Refusal:
-    state: str  # job_engines.UNFIT or UNAVAILABLE
+    state: str  # engines_met.UNFIT or UNAVAILABLE
     reason: str
     job_failed: str | None  # the job's error when this refusal ended the job
 
@@ -63,15 +64,16 @@ class EngineGate:
         with session_scope(self.db_url) as session:
             job = repo.get_job(session, self.job_id)
             entries = job.engines if job is not None else None
-        return job_engines.entry_of(entries, self.worker, self.url)
+        return engines_met.entry_of(entries, self.worker, self.url)
 
     def verified(self, identity: str) -> bool:
         """Whether a preflight already passed for this job on an engine of exactly this identity."""
         entry = self.previous()
         return bool(entry and entry.get("verified") and entry.get("identity") == identity)
 
-    def accept(self, info: EngineInfo, identity: str, verified: bool) -> None:
-        entry = self._entry(job_engines.OK, None, info, identity=identity, verified=verified)
+    def accept(self, info: EngineInfo, identity: str) -> None:
+        """This engine passed the preflight for the job (now or earlier) and takes its units."""
+        entry = self._entry(engines_met.OK, None, info, identity=identity, verified=True)
         self._note(entry)
 
     def refuse(self, state: str, reason: str, info: EngineInfo | None = None) -> Refusal:
@@ -81,9 +83,9 @@ class EngineGate:
 
         def note() -> str | None:
             with session_scope(self.db_url) as session:
-                entries = job_engines.note_engine(session, self.job_id, self._entry(state, reason, info))
-                live = repo.live_lease_count(session, self.job_id, time.time())
-                stop = job_engines.no_fit_engine(entries, live, time.time(), window)
+                entries = engines_met.note_engine(session, self.job_id, self._entry(state, reason, info))
+                live = queries.live_lease_count(session, self.job_id, time.time())
+                stop = engines_met.no_fit_engine(entries, live, time.time(), window)
                 if stop is not None and repo.set_job_state(
                     session, self.job_id, JobState.failed, repo.ACTIVE_STATES, error=stop
                 ):
@@ -102,7 +104,7 @@ class EngineGate:
     def _note(self, entry: dict[str, Any]) -> None:
         def note() -> None:
             with session_scope(self.db_url) as session:
-                job_engines.note_engine(session, self.job_id, entry)
+                engines_met.note_engine(session, self.job_id, entry)
 
         try:
             DATABASE.call(note, (OperationalError,), "noting an engine")
@@ -110,13 +112,10 @@ class EngineGate:
             log.warning("could not note engine %s on job %s: %s", self.url, self.job_id, exc)
 
 
-def static_problem(
-    info: EngineInfo, options: dict[str, Any], job_engine: dict[str, Any] | None, cache_rule: bool
-) -> str | None:
-    """What unfits the engine before any tokenizer is loaded (``cache_rule`` off only where a test means to
-    show the per-sample checks behind it)."""
+def static_problem(info: EngineInfo, options: JobOptions, job_engine: dict[str, Any] | None) -> str | None:
+    """What unfits the engine before any tokenizer is loaded."""
     problems = [p for p in [engine_fitness.protocol_problem(info)] if p]
-    problems += engine_fitness.option_problems(info, options, check_cache=cache_rule)
+    problems += engine_fitness.option_problems(info, options)
     if job_engine:
         problems += engine_fitness.identity_problems(job_engine, info)
     return "; ".join(problems) or None

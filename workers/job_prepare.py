@@ -16,12 +16,13 @@ from typing import Any
 
 from hsx.contract import EngineInfo
 from hsx.db.session import session_scope
+from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.ingest import DatasetError, prepare
+from hsx.job_options import JobOptions
 from hsx.jobs import recovery
 from hsx.jobs import repository as repo
 from hsx.settings import Settings
 from workers.output_size import OutputProjector, Projection, free_bytes
-from workers.unit_processor import TRUNCATE
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class JobPreparer:
         self,
         dataset: str,
         output_dir: str,
-        options: dict[str, Any],
+        options: JobOptions,
         info: EngineInfo,
         encoder: Callable[[], Any],
     ) -> bool:
@@ -48,13 +49,14 @@ class JobPreparer:
                 session, self.job_id, self.owner, self.settings.lease_seconds, time.time()
             ):
                 return False
-        per_unit = int(options.get("samples_per_shard") or self.settings.samples_per_unit)
+        per_unit = options.unit_size
         projector = OutputProjector(
             info,
-            options.get("max_length"),
-            str(options.get("truncation", TRUNCATE)),
+            options.max_length,
+            options.truncation,
             encoder,
             self.settings.projection_sample_records,
+            store_fp8=options.state_dtype == STATE_DTYPE_OPTION,
         )
         try:
             with self._lease():

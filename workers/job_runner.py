@@ -26,27 +26,31 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hsx import engine_fitness, telemetry
+from hsx import engine_fitness, layout, telemetry
 from hsx.contract import EngineInfo
 from hsx.db.models import Job, JobState
 from hsx.db.session import retry_db, session_scope
 from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
 from hsx.faults import crash_point
+from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.ingest import DatasetError, UnitRange, read_unit_records
-from hsx.jobs import engines as job_engines
-from hsx.jobs import recovery
+from hsx.job_options import JobOptions
+from hsx.jobs import engines_met, queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
 from hsx.jobs.queue import wake_idle_workers
 from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
 from hsx.settings import Settings
+from hsx.streams import service as stream_service
+from hsx.streams.contract import ClaimWait
+from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
 from workers.lease import LeaseKeeper
 from workers.shards import ShardWriteError
 from workers.unit_commit import commit_unit, staged_path
-from workers.unit_processor import TRUNCATE, UnitAborted, UnitProcessor, UnitResult
+from workers.unit_processor import UnitAborted, UnitProcessor, UnitResult
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +60,8 @@ _TOKENIZERS: dict[str, Any] = {}
 
 
 def lease_owner(pid: int, engine_url: str) -> str:
-    """Who holds a lease: the process and the engine it feeds, so a dead horse's leases can be found and
-    units can be counted per engine."""
-    return f"{socket.gethostname()}:{pid}@{engine_url}"
+    """This host's owner string for process ``pid`` (format: hsx.layout.lease_owner)."""
+    return layout.lease_owner(socket.gethostname(), pid, engine_url)
 
 
 class TokenizerMissing(Exception):
@@ -78,7 +81,7 @@ class JobView:
     """What a runner needs of the job row, read once per wake-up."""
 
     state: str
-    options: dict[str, Any]
+    options: JobOptions  # the unit size resolved against this deployment's default
     engine: dict[str, Any] | None
     dataset_path: str
     output_dir: str
@@ -87,10 +90,10 @@ class JobView:
     units_total: int
 
     @classmethod
-    def of(cls, job: Job) -> JobView:
+    def of(cls, job: Job, settings: Settings) -> JobView:
         return cls(
             job.state,
-            dict(job.options),
+            JobOptions.from_stored(job.options, settings.samples_per_shard),
             job.engine,
             job.dataset_path,
             job.output_dir,
@@ -110,13 +113,10 @@ def load_tokenizer(path: str) -> Any:
 
 
 class JobRunner:
-    def __init__(self, job_id: str, settings: Settings, preflight: bool = True) -> None:
-        """``preflight=False`` skips the checks that keep a prefix-caching engine out (the verification
-        and the cache rule): only tests use it, to show the per-sample checks behind them."""
+    def __init__(self, job_id: str, settings: Settings) -> None:
         self.job_id = job_id
         self.settings = settings
         self.db_url = settings.resolved_database_url
-        self.preflight = preflight
         self.owner = lease_owner(os.getpid(), settings.engine_url)
         self.client = EngineClient(
             settings.engine_url, timeout=settings.engine_timeout_seconds, retries=settings.engine_retries
@@ -130,15 +130,11 @@ class JobRunner:
     def _load(self) -> JobView | None:
         with session_scope(self.db_url) as session:
             job = repo.get_job(session, self.job_id)
-            return None if job is None else JobView.of(job)
+            return None if job is None else JobView.of(job, self.settings)
 
     def _refused(self, refusal: Refusal) -> Outcome:
         ended = f"; the job failed: {refusal.job_failed}" if refusal.job_failed else ""
         return Outcome(f"engine {refusal.state}: {refusal.reason}{ended}", False)
-
-    def run_one(self) -> Outcome:
-        """At most one unit (tests step a job with it)."""
-        return self.run(max_units=1)
 
     def run(self, max_units: int | None = None) -> Outcome:
         job = self._load()
@@ -149,15 +145,15 @@ class JobRunner:
         try:
             info = self.client.info()
         except EngineUnfit as exc:
-            return self._refused(self.gate.refuse(job_engines.UNFIT, str(exc)))
+            return self._refused(self.gate.refuse(engines_met.UNFIT, str(exc)))
         except EngineUnavailable as exc:
-            return self._refused(self.gate.refuse(job_engines.UNAVAILABLE, str(exc)))
-        problem = static_problem(info, job.options, job.engine, cache_rule=self.preflight)
+            return self._refused(self.gate.refuse(engines_met.UNAVAILABLE, str(exc)))
+        problem = static_problem(info, job.options, job.engine)
         if problem:
-            return self._refused(self.gate.refuse(job_engines.UNFIT, problem, info))
+            return self._refused(self.gate.refuse(engines_met.UNFIT, problem, info))
         if job.state == JobState.queued.value:
             # Verified before the dataset is prepared: an unfit engine leaves the job to another worker.
-            refusal = self._verify(info) if self.preflight else None
+            refusal = self._verify(info)
             if refusal is not None:
                 return self._refused(refusal)
             if job.units_total == 0 and not self._prepare(job, info):
@@ -187,8 +183,7 @@ class JobRunner:
         record = self._engine_record(info)
         with session_scope(self.db_url) as session:
             repo.set_job_state(session, self.job_id, JobState.running, [JobState.queued.value], engine=record)
-        if self.preflight:
-            self._verified_identity = engine_fitness.identity_digest(info, self._worker_side(record))
+        self._verified_identity = engine_fitness.identity_digest(info, self._worker_side(record))
 
     def _join(self, job: JobView, info: EngineInfo) -> Refusal | None:
         """A running job: this engine (and tokenizer) must be the job's, and verified once for it."""
@@ -197,15 +192,14 @@ class JobRunner:
         if job.engine:
             problems = engine_fitness.identity_problems(job.engine, info, worker_side)
             if problems:
-                return self.gate.refuse(job_engines.UNFIT, "; ".join(problems), info)
+                return self.gate.refuse(engines_met.UNFIT, "; ".join(problems), info)
         identity = engine_fitness.identity_digest(info, worker_side)
         verified = self._verified_identity == identity or self.gate.verified(identity)
-        if self.preflight and not verified:
+        if not verified:
             refusal = self._verify(info)
             if refusal is not None:
                 return refusal
-            verified = True
-        self.gate.accept(info, identity, verified and self.preflight)
+        self.gate.accept(info, identity)
         return None
 
     def _verify(self, info: EngineInfo) -> Refusal | None:
@@ -216,7 +210,7 @@ class JobRunner:
             return None
         failed = [c for c in report.checks if not c.ok]
         reasons = "; ".join(f"{c.name}: expected {c.expected}, got {c.actual}" for c in failed[:4])
-        return self.gate.refuse(job_engines.UNFIT, f"engine failed the preflight check: {reasons}", info)
+        return self.gate.refuse(engines_met.UNFIT, f"engine failed the preflight check: {reasons}", info)
 
     @staticmethod
     def _worker_side(record: dict[str, Any]) -> dict[str, Any]:
@@ -250,7 +244,7 @@ class JobRunner:
     def _dump_dir(self, info: EngineInfo) -> str:
         return self.settings.dump_dir or info.dump_dir
 
-    def _chat_encoder(self, info: EngineInfo, options: dict[str, Any]) -> Any:
+    def _chat_encoder(self, info: EngineInfo, options: JobOptions) -> Any:
         """The job's encoder, without a length limit (the processor applies the job's truncation)."""
         from workers.chat import ChatEncoder
 
@@ -263,7 +257,7 @@ class JobRunner:
                 f"or send pre-tokenized records): {exc}"
             ) from exc
         try:
-            return ChatEncoder(tokenizer, bool(options.get("chat_template", True)), None)
+            return ChatEncoder(tokenizer, options.chat_template, None)
         except ValueError as exc:  # a base model's tokenizer has no chat template
             raise TokenizerMissing(
                 f"the tokenizer at {path!r} cannot encode this job's chat records: {exc} (submit with "
@@ -280,6 +274,11 @@ class JobRunner:
             if SHUTDOWN.is_set():
                 return Outcome(f"stopping after {done_here} unit(s)", True)
             unit = retry_db(lambda: self._claim())
+            if isinstance(unit, ClaimWait):
+                if wait_for_room(self.settings, self.job_id, self.settings.stream_room_wait_seconds):
+                    continue
+                # No wake-up is queued: the acknowledgement that makes room wakes a worker (backpressure).
+                return Outcome(f"{done_here} unit(s); waiting for consumers under the byte cap", False)
             if unit is None:
                 finished = retry_db(lambda: self._finalize())
                 return Outcome(f"{done_here} unit(s); no unit left to claim", not finished)
@@ -295,18 +294,22 @@ class JobRunner:
                 return outcome
         return Outcome(f"{done_here} unit(s)", True)
 
-    def _claim(self) -> ClaimedUnit | None:
+    def _claim(self) -> ClaimedUnit | ClaimWait | None:
         with session_scope(self.db_url) as session:
-            if repo.job_state(session, self.job_id) != JobState.running.value:
+            if queries.job_state(session, self.job_id) != JobState.running.value:
                 return None
-            return repo.claim_unit(session, self.job_id, self.owner, self.settings.lease_seconds, time.time())
+            now = time.time()
+            if not stream_service.may_claim(session, self.job_id, self.settings, now):
+                # Nothing left to claim is no wait: the job may be ready to finalize.
+                return ClaimWait.CONSUMERS if queries.claimable_count(session, self.job_id, now) else None
+            return repo.claim_unit(session, self.job_id, self.owner, self.settings.lease_seconds, now)
 
     def _wake_more(self) -> None:
         """Keep a wake-up waiting for every idle worker while units are claimable, so they all join at
         once (best effort: the reconciler keeps one queued from the job table whatever Redis lost)."""
         try:
             with session_scope(self.db_url) as session:
-                claimable = repo.claimable_count(session, self.job_id, time.time())
+                claimable = stream_service.wakeable_units(session, self.job_id, self.settings, time.time())
             wake_idle_workers(self.settings, self.job_id, claimable)
         except Exception as exc:  # noqa: BLE001 - waking others is never worth failing this unit
             log.warning("could not wake more workers for job %s: %s", self.job_id, exc)
@@ -314,7 +317,7 @@ class JobRunner:
     def _finalize(self) -> bool:
         return finalize_if_complete(self.db_url, self.job_id)
 
-    def _processor(self, info: EngineInfo, options: dict[str, Any]) -> UnitProcessor:
+    def _processor(self, info: EngineInfo, options: JobOptions) -> UnitProcessor:
         return UnitProcessor(
             self.client,
             info,
@@ -322,11 +325,12 @@ class JobRunner:
             self._dump_dir(info),
             self.settings.dump_wait_seconds,
             self.settings.engine_concurrency,
-            bool(options.get("cache_namespace_per_request", True)),
+            options.cache_namespace_per_request,
             self.settings.max_inflight_dump_bytes,
-            options.get("max_length"),
-            str(options.get("truncation", TRUNCATE)),
+            options.max_length,
+            options.truncation,
             self.settings.shard_write_behind_bytes,
+            store_fp8=options.state_dtype == STATE_DTYPE_OPTION,
         )
 
     def _run_unit(
@@ -341,9 +345,7 @@ class JobRunner:
         span = UnitRange(unit.sample_start, unit.sample_end, unit.byte_start, unit.byte_end)
         try:
             with keeper:
-                records = read_unit_records(
-                    job.records_path, job.records_bytes, span, job.options.get("format", "auto")
-                )
+                records = read_unit_records(job.records_path, job.records_bytes, span, job.options.format)
                 processor.process(
                     unit,
                     (r for r in records if unit.holds(r[0])),
@@ -367,7 +369,7 @@ class JobRunner:
             self._wake_more()
             telemetry.engine_error("unavailable" if isinstance(exc, EngineUnavailable) else "unfit")
             telemetry.unit_finished("released")
-            state = job_engines.UNAVAILABLE if isinstance(exc, EngineUnavailable) else job_engines.UNFIT
+            state = engines_met.UNAVAILABLE if isinstance(exc, EngineUnavailable) else engines_met.UNFIT
             return self._refused(self.gate.refuse(state, str(exc), info))
         except ShardWriteError as exc:
             return self._fail_for_good(unit, f"could not write shard for unit {unit.unit_index}: {exc}")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from hsx.db.models import JobState
 from hsx.db.session import session_scope
+from hsx.jobs import queries
 from hsx.jobs import repository as repo
 from hsx.jobs.repository import ClaimedUnit, LiveCounts
 
@@ -60,7 +61,7 @@ class LeaseKeeper:
                             log.warning("lease on unit %s attempt %s lost", self.unit.id, self.unit.attempt)
                         self.lost.set()
                         return
-                    state = repo.job_state(session, self.unit.job_id)
+                    state = queries.job_state(session, self.unit.job_id)
                 if state != JobState.running.value:
                     self.job_stopped.set()
                     return

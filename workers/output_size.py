@@ -50,9 +50,13 @@ class Projection:
         return asdict(self)
 
 
-def bytes_per_token(info: EngineInfo) -> int:
+def bytes_per_token(info: EngineInfo, store_fp8: bool = False) -> int:
+    """Shard bytes per token: the states (fp8: 1 byte a value plus a 4-byte scale per tensor), id and mask."""
+    tensors = len(dump_tensors(info))
+    if store_fp8:
+        return (info.hidden_size + 4) * tensors + 4 + 1
     dtype = canonical_state_dtype(info.dtype)
-    return info.hidden_size * DTYPE_SIZES[dtype] * len(dump_tensors(info)) + 4 + 1
+    return info.hidden_size * DTYPE_SIZES[dtype] * tensors + 4 + 1
 
 
 class OutputProjector:
@@ -66,8 +70,10 @@ class OutputProjector:
         encoder: Callable[[], ChatEncoder],
         sample_size: int = 64,
         seed: int = 20240601,
+        store_fp8: bool = False,
     ) -> None:
         self.info = info
+        self.store_fp8 = store_fp8
         self.max_length = max_length
         self.truncation = truncation
         self._encoder = encoder
@@ -108,9 +114,14 @@ class OutputProjector:
         chat_tokens, basis = self._chat_tokens()
         tokens = self.exact_tokens + chat_tokens
         samples = self.exact_samples + self.chat_records
-        header = HEADER_BYTES_PER_TENSOR * len(dump_tensors(self.info)) * self.records
+        header = (
+            HEADER_BYTES_PER_TENSOR
+            * len(dump_tensors(self.info))
+            * self.records
+            * (2 if self.store_fp8 else 1)
+        )
         total = (
-            tokens * bytes_per_token(self.info)
+            tokens * bytes_per_token(self.info, self.store_fp8)
             + samples * INDEX_BYTES_PER_SAMPLE
             + header
             + shards * SHARD_OVERHEAD_BYTES

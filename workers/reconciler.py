@@ -14,11 +14,13 @@ from pathlib import Path
 from hsx.contract import RID_PREFIX
 from hsx.db.models import JobState
 from hsx.db.session import session_scope
-from hsx.jobs import recovery
+from hsx.jobs import queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
 from hsx.jobs.queue import wake_idle_workers
+from hsx.layout import parse_staged_shard_name
 from hsx.settings import Settings
+from hsx.streams import service as stream_service
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +52,16 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
     db_url = settings.resolved_database_url
     stats = {"woken": 0, "finalized": 0, "temp_removed": 0, "dumps_removed": 0}
     with session_scope(db_url) as session:
-        job_ids = repo.active_job_ids(session)
+        job_ids = queries.active_job_ids(session)
     for job_id in job_ids:
         with session_scope(db_url) as session:
             job = repo.get_job(session, job_id)
             if job is None:
                 continue
             state, output_dir = job.state, job.output_dir
-            claimable = repo.claimable_count(session, job_id, now)
-            live = repo.live_lease_count(session, job_id, now)
-            leased = {(u.unit_index, u.attempt) for u in repo.leased_units(session, job_id)}
+            claimable = stream_service.wakeable_units(session, job_id, settings, now)
+            live = queries.live_lease_count(session, job_id, now)
+            leased = {(u.unit_index, u.attempt) for u in queries.leased_units(session, job_id)}
         if (
             state == JobState.running.value
             and claimable == 0
@@ -85,9 +87,9 @@ def wake_for_a_new_worker(settings: Settings) -> int:
     now = time.time()
     with session_scope(settings.resolved_database_url) as session:
         waiting = {
-            job_id: repo.claimable_count(session, job_id, now)
-            for job_id in repo.active_job_ids(session)
-            if repo.job_state(session, job_id) == JobState.running.value
+            job_id: queries.claimable_count(session, job_id, now)
+            for job_id in queries.active_job_ids(session)
+            if queries.job_state(session, job_id) == JobState.running.value
         }
     return sum(wake_idle_workers(settings, job, claimable, joining=1) for job, claimable in waiting.items())
 
@@ -101,13 +103,8 @@ def _remove_stale_temp(output_dir: Path, live: set[tuple[int, int]], now: float)
         name = path.name
         if not (name.endswith(".staged") or ".tmp" in name):
             continue
-        if name.endswith(".staged"):
-            try:
-                unit_part, attempt_part = name[len(".shard-") :].split(".")[:2]
-                if (int(unit_part), int(attempt_part[1:])) in live:
-                    continue
-            except ValueError:
-                pass
+        if parse_staged_shard_name(name) in live:
+            continue
         try:
             if now - path.stat().st_mtime > STALE_TEMP_SECONDS:
                 path.unlink()

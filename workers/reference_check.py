@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hsx.engine_client import Dump, EngineClient, EngineError
+from hsx.dumps import Dump
+from hsx.engine_client import EngineClient, EngineError
 from hsx.verify import Check, run_verification
 
 # Per-token cosine a dump must reach against the float32 reference: float32 engines differ only by

@@ -5,7 +5,6 @@ or retries happen in between."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -14,9 +13,9 @@ from sqlalchemy.exc import OperationalError
 from hsx import telemetry
 from hsx.db.session import retry_db, session_scope
 from hsx.faults import crash_point
-from hsx.fsutil import fsync_dir
 from hsx.jobs import repository as repo
 from hsx.jobs.repository import ClaimedUnit, ShardRow
+from hsx.layout import publish_file, shard_file_name, staged_shard_name
 from workers.shards import ShardWriteError, data_sha256
 from workers.unit_processor import UnitResult
 
@@ -24,11 +23,11 @@ log = logging.getLogger(__name__)
 
 
 def shard_path(output_dir: str, unit_index: int) -> Path:
-    return Path(output_dir) / f"shard-{unit_index:05d}.safetensors"
+    return Path(output_dir) / shard_file_name(unit_index)
 
 
 def staged_path(output_dir: str, unit_index: int, attempt: int) -> Path:
-    return Path(output_dir) / f".shard-{unit_index:05d}.a{attempt}.staged"
+    return Path(output_dir) / staged_shard_name(unit_index, attempt)
 
 
 def commit_unit(db_url: str, unit: ClaimedUnit, result: UnitResult, output_dir: str) -> bool:
@@ -44,8 +43,7 @@ def commit_unit(db_url: str, unit: ClaimedUnit, result: UnitResult, output_dir: 
     def publish() -> None:
         if shard is not None:
             if staged.exists():
-                os.replace(staged, final)
-                fsync_dir(final.parent)
+                publish_file(staged, final)
             elif data_sha256(final) != shard.sha256:
                 # Not renamed by an earlier try of this commit (whose transaction was then lost).
                 raise ShardWriteError(final, None, f"the staged shard {staged.name} is gone")

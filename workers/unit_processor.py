@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hsx import telemetry
-from hsx.contract import PRE_NORM_TENSOR, RID_PREFIX, EngineInfo, tensor_name
+from hsx.contract import RID_PREFIX, EngineInfo
+from hsx.dumps import DumpFile, delete_dump, open_dump, validate_open_dump
 from hsx.engine_client import (
     DumpMissing,
     EngineClient,
@@ -40,14 +41,13 @@ from hsx.engine_client import (
     EngineTimeout,
     EngineUnavailable,
     EngineUnfit,
-    delete_dump,
 )
 from hsx.fsutil import WRITE_BEHIND_WINDOW
 from hsx.ingest import Pretokenized, Record, SampleError
 from hsx.jobs.repository import ClaimedUnit, LiveCounts, RejectionRow, TruncationRow
+from hsx.layout import state_tensor_names
 from hsx.safetensors_io import DTYPE_SIZES
-from hsx.validation import ENGINE_TIMEOUT, TOO_LONG, SampleRejected, check_dump
-from workers.dump_file import DumpFile, open_dump
+from hsx.validation import DTYPE_MISMATCH, ENGINE_TIMEOUT, TOO_LONG, SampleRejected
 from workers.shards import ShardInfo, ShardStream, canonical_state_dtype
 
 if TYPE_CHECKING:
@@ -117,13 +117,8 @@ class _Sent:
 
 
 def dump_tensors(info: EngineInfo) -> list[str]:
-    """The dump tensors a sample keeps, in shard order: aux layers, then the final state(s)."""
-    names = [tensor_name(i) for i in info.hf_indices[:-1]]
-    if info.final_state in ("post", "both"):
-        names.append(tensor_name(info.hf_indices[-1]))
-    if info.final_state in ("pre", "both"):
-        names.append(PRE_NORM_TENSOR)
-    return names
+    """The dump tensors a sample keeps, in shard order (hsx.layout.state_tensor_names)."""
+    return state_tensor_names(info.hf_indices, info.final_state)
 
 
 class UnitProcessor:
@@ -140,6 +135,7 @@ class UnitProcessor:
         max_length: int | None = None,
         truncation: str = TRUNCATE,
         write_behind: int = WRITE_BEHIND_WINDOW,
+        store_fp8: bool = False,
     ) -> None:
         self.client = client
         self.info = info
@@ -155,6 +151,8 @@ class UnitProcessor:
         self.max_length = max_length
         self.truncation = truncation
         self.write_behind = write_behind
+        # The job's state_dtype "fp8_e4m3": the shard holds e4m3 codes and per-token scales (schema 3).
+        self.store_fp8 = store_fp8
         self.dtype = canonical_state_dtype(info.dtype)
         self.tensors = dump_tensors(info)
         self.bytes_per_token = info.hidden_size * DTYPE_SIZES[self.dtype] * len(self.tensors)
@@ -279,6 +277,7 @@ class UnitProcessor:
                     dump_tensors=self.tensors,
                     capacity=unit.sample_end - unit.sample_start,
                     write_behind=self.write_behind,
+                    store_fp8=self.store_fp8,
                 )
             counted = outcome.meta.non_finite is not None and all(
                 name in outcome.meta.non_finite for name in self.tensors
@@ -366,26 +365,13 @@ class UnitProcessor:
         try:
             dump = open_dump(self.dump_dir, sent.rid, self.dump_wait_seconds)
             telemetry.dump_wait(time.monotonic() - started)
-            specs = dump.state_specs()
-            shapes = {name: spec.shape for name, spec in specs.items()}
-            check_dump(
-                dump.meta,
-                dump.input_ids(),
-                shapes,
-                pending.input_ids,
-                sent.cached_tokens,
-                self.tensors,
-                self.info.hidden_size,
-            )
-            other = sorted(
-                {spec.dtype for name, spec in specs.items() if name in self.tensors} - {self.dtype}
-            )
-            if other:
+            failure = validate_open_dump(dump, pending.input_ids, sent.cached_tokens, self.info).first_failure
+            if failure is None:
+                return dump
+            if failure.reason == DTYPE_MISMATCH:
                 # Every dump of this engine will be so: its states are not what it says they are.
-                raise EngineUnfit(
-                    f"the engine reports dtype {self.info.dtype} ({self.dtype}) but dumps {', '.join(other)}"
-                )
-            return dump
+                raise EngineUnfit(failure.detail)
+            raise SampleRejected(failure.reason or DTYPE_MISMATCH, failure.detail)
         except DumpMissing as exc:
             problem = SampleRejected("dump_missing", str(exc))
         except SampleRejected as exc:

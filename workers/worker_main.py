@@ -29,7 +29,7 @@ from hsx.logging_setup import configure_logging
 from hsx.settings import Settings, get_settings
 from workers.job_runner import lease_owner
 from workers.reconciler import FORK_LOCK, ReconcilerThread, expire_leases_of, wake_for_a_new_worker
-from workers.tasks import STOP_SIGNAL
+from workers.tasks.extraction import STOP_SIGNAL
 
 log = logging.getLogger(__name__)
 

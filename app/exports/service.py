@@ -17,7 +17,6 @@ from hsx.db.models import JobState
 from hsx.errors import BadRequest, Conflict, NotFound, ServiceUnavailable
 from hsx.export.common import ExportOptions, options_dict, refusal
 from hsx.export.status import (
-    EXPORT_TASK,
     ExportStatus,
     export_dest,
     list_statuses,
@@ -25,7 +24,7 @@ from hsx.export.status import (
     read_status,
     write_status,
 )
-from hsx.jobs.queue import queue_for, redis_connection
+from hsx.jobs.queue import EXPORT_TASK, queue_for, redis_connection
 from hsx.manifest import Manifest, ManifestError
 from hsx.settings import Settings
 

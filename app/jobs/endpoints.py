@@ -11,8 +11,6 @@ from app.jobs import schemas
 from app.jobs.document_cache import DocumentCache
 from app.jobs.service import JobService, render_document
 from hsx.errors import UnsupportedMediaType
-from hsx.jobs import document_queries
-from hsx.jobs import repository as repo
 from hsx.settings import Settings
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -76,9 +74,7 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
 ) -> schemas.JobPage:
-    service = JobService(session, settings)
-    jobs, total = repo.list_jobs(session, state, limit, offset)
-    return schemas.JobPage(items=[service.summary(j) for j in jobs], total=total, limit=limit, offset=offset)
+    return JobService(session, settings).jobs(state, limit, offset)
 
 
 _documents: DocumentCache | None = None
@@ -107,9 +103,7 @@ def get_shards(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
 ) -> schemas.ShardPage:
-    service = JobService(session, settings)
-    items, total = service.shards(service.get(job_id), limit, offset)
-    return schemas.ShardPage(items=items, total=total, limit=limit, offset=offset)
+    return JobService(session, settings).shards(job_id, limit, offset)
 
 
 @router.get("/{job_id}/rejections", response_model=schemas.RejectionPage, responses=ERRORS)
@@ -120,15 +114,7 @@ def get_rejections(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
 ) -> schemas.RejectionPage:
-    JobService(session, settings).get(job_id)
-    rows, total = repo.list_rejections(session, job_id, limit, offset)
-    items = [
-        schemas.RejectionOut(
-            sample_index=r.sample_index, record_id=r.record_id, reason=r.reason, detail=r.detail
-        )
-        for r in rows
-    ]
-    return schemas.RejectionPage(items=items, total=total, limit=limit, offset=offset)
+    return JobService(session, settings).rejections(job_id, limit, offset)
 
 
 @router.get("/{job_id}/truncations", response_model=schemas.TruncationPage, responses=ERRORS)
@@ -139,15 +125,7 @@ def get_truncations(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
 ) -> schemas.TruncationPage:
-    JobService(session, settings).get(job_id)
-    rows, total = document_queries.list_truncations(session, job_id, limit, offset)
-    items = [
-        schemas.TruncationOut(
-            sample_index=t.sample_index, record_id=t.record_id, tokens=t.tokens, kept=t.kept
-        )
-        for t in rows
-    ]
-    return schemas.TruncationPage(items=items, total=total, limit=limit, offset=offset)
+    return JobService(session, settings).truncations(job_id, limit, offset)
 
 
 @router.post("/{job_id}/retry", response_model=schemas.JobOut, responses=ERRORS)

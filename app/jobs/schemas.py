@@ -5,7 +5,10 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from app.streams.schemas import StreamStatus
+from hsx.job_options import JobOptions
 
 JobStateName = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
@@ -17,43 +20,6 @@ def _as_utc(value: datetime) -> datetime:
 
 
 UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
-
-
-class JobOptions(BaseModel):
-    # Strict: "100" is not a length and "yes" is not a boolean; a typo is refused, not coerced.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    format: Literal["auto", "messages", "sharegpt"] = "auto"
-    chat_template: bool = True
-    max_length: int = Field(
-        4096,
-        ge=8,
-        le=131072,
-        description="The most tokens a sample may have; at most the engine's context length (422 otherwise).",
-    )
-    truncation: Literal["truncate", "reject"] = Field(
-        "truncate",
-        description="A longer sample is cut to max_length and kept (counted, and listed at /truncations), "
-        "or rejected as too_long. Either way one whose assistant turns all lie past the cut is too_long.",
-    )
-    aux_layers: list[int] | None = Field(
-        None,
-        min_length=1,
-        max_length=16,
-        description="EAGLE-3 auxiliary layer ids (output of decoder layer L). Default: the engine's, which "
-        "is [1, N//2-1, N-4] plus the final post-norm state.",
-    )
-    samples_per_shard: int = Field(64, ge=1, le=65536)
-    cache_namespace_per_request: bool = Field(
-        True, description="Send each request its own cache namespace (SGLang extra_key) as a second guard."
-    )
-
-    @field_validator("aux_layers")
-    @classmethod
-    def _distinct_non_negative(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and (len(set(value)) != len(value) or min(value) < 0):
-            raise ValueError("aux_layers must be distinct non-negative layer ids")
-        return value
 
 
 class JobCreate(BaseModel):
@@ -143,11 +109,19 @@ class JobOut(BaseModel):
         description="Every engine a worker brought to the job: ok, or why it was unfit or unavailable.",
     )
     output: OutputOut | None = None
+    engine_wait: str | None = Field(
+        None,
+        description="Whether a job is refused at submit for an unfit engine or waits for a fit one, and how "
+        "long (HSX_ENGINE_FLEET, HSX_NO_FIT_ENGINE_SECONDS).",
+    )
     units_failed: list[FailedUnitOut] = Field(
         default_factory=list, description="Units that failed for good, with their last error."
     )
     shards: ShardsPreview
     rejections: dict[str, int] = Field(description="Rejected samples counted by reason.")
+    stream: StreamStatus | None = Field(
+        None, description="A consume job, or one with consumers: buffered bytes, the cap, consumers."
+    )
     created_at: UtcDatetime
     started_at: UtcDatetime | None
     finished_at: UtcDatetime | None
@@ -191,10 +165,15 @@ class TruncationPage(BaseModel):
 
 
 class CheckOut(BaseModel):
+    """One check of the validator (hsx.validation.Check); a failed dump check names the reason code a job
+    would reject the sample with."""
+
     name: str
     ok: bool
     expected: object
     actual: object
+    reason: str | None = None
+    detail: str = ""
 
 
 class VerifyOut(BaseModel):

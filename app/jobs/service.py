@@ -15,18 +15,21 @@ from pathlib import Path
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.jobs import schemas
+from app.jobs import admission, schemas
+from app.streams.schemas import StreamStatus
 from hsx import engine_fitness
-from hsx.db.models import Job, JobState
-from hsx.engine_client import EngineClient, EngineError
+from hsx.db.models import Job, JobState, Shard
+from hsx.engine_client import EngineClient, EngineError, EngineUnfit
 from hsx.errors import BadRequest, Conflict, NotFound, Unprocessable
 from hsx.ingest import inspect_dataset
-from hsx.jobs import document_queries, recovery
+from hsx.job_options import JobOptions
+from hsx.jobs import queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import MANIFEST_NAME
 from hsx.jobs.queue import enqueue_wakeups
 from hsx.jobs.repository import LiveCounts
 from hsx.settings import Settings
+from hsx.streams import service as stream_service
 from hsx.validation import RETRIABLE_REASONS
 
 log = logging.getLogger(__name__)
@@ -35,13 +38,13 @@ log = logging.getLogger(__name__)
 SHARDS_IN_DOCUMENT = 10
 # A submission asks the engine for its context length and layers this long, then leaves it to the workers.
 ENGINE_CHECK_SECONDS = 5.0
+UNFIT = "engine_unfit"
 RETRIABLE_STATES = (JobState.failed.value, JobState.cancelled.value, JobState.succeeded.value)
 
 
-def request_hash(body: schemas.JobCreate) -> str:
-    canonical = json.dumps(
-        {"dataset_uri": body.dataset_uri, "options": body.options.model_dump(mode="json")}, sort_keys=True
-    )
+def request_hash(dataset_uri: str, options: JobOptions) -> str:
+    """The request's identity for idempotency, over the options as recorded (the unit size resolved)."""
+    canonical = json.dumps({"dataset_uri": dataset_uri, "options": options.stored()}, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -57,7 +60,11 @@ class JobService:
                 "the Idempotency-Key header and body field differ", error="idempotency_key_mismatch"
             )
         key = header_key or body.idempotency_key
-        digest = request_hash(body)
+        options = body.options.with_unit_size(self.settings.samples_per_shard)
+        if options.retention == "consume" and options.buffer_cap_bytes is None:
+            # Fixed at submission, so a later change of the setting does not move a running job's cap.
+            options = options.model_copy(update={"buffer_cap_bytes": self.settings.stream_buffer_cap_bytes})
+        digest = request_hash(body.dataset_uri, options)
         if key:
             existing = repo.get_job_by_idempotency_key(self.session, key)
             if existing is not None:
@@ -65,14 +72,20 @@ class JobService:
         # Bounded work only: downloading, converting, counting and indexing are the job's first step, done
         # by a worker. A local dataset is vetted and its head read; a remote one is checked without transfer.
         dataset_path = inspect_dataset(body.dataset_uri, self.settings).dataset_path
-        self._check_engine(body.options)
+        self._check_engine(options)
+        if options.retention == "consume" and self.settings.output_uri:
+            raise BadRequest(
+                "retention=consume is not published to HSX_OUTPUT_URI (publication is at finalize, and "
+                "consumed shards are gone by then); stream it, or submit with retention=keep",
+                error="consume_not_published",
+            )
         job_id = str(uuid.uuid4())
         job = Job(
             id=job_id,
             state=JobState.queued.value,
             dataset_uri=body.dataset_uri,
             dataset_path=dataset_path,
-            options=body.options.model_dump(mode="json"),
+            options=options.stored(),
             idempotency_key=key,
             request_hash=digest,
             output_dir=str(self.settings.resolved_output_dir / job_id),
@@ -80,7 +93,7 @@ class JobService:
             units_total=0,
         )
         try:
-            repo.add_job(self.session, job, [])
+            repo.add_job(self.session, job)
             self.session.commit()
         except IntegrityError:
             # Another request with the same key committed first: answer with its job.
@@ -93,18 +106,37 @@ class JobService:
         enqueue_wakeups(self.settings, job.id, 1)
         return job, True
 
-    def _check_engine(self, options: schemas.JobOptions) -> None:
-        """Refuse options the engine cannot honour (a max_length past its context, other aux layers). An
-        engine that does not answer now is no reason to refuse: every worker checks its own engine."""
+    def _check_engine(self, options: JobOptions) -> None:
+        """Refuse options the engine cannot honour (a max_length past its context, other aux layers), and,
+        unless other engines may join (HSX_ENGINE_FLEET), an engine that fails the preflight
+        (:mod:`app.jobs.admission`). An engine that does not answer now is no reason to refuse: every worker
+        checks its own engine."""
+        url = self.settings.engine_url
+        fleet = self.settings.engine_fleet
         try:
-            with EngineClient(self.settings.engine_url, timeout=ENGINE_CHECK_SECONDS, retries=0) as client:
+            with EngineClient(url, timeout=ENGINE_CHECK_SECONDS, retries=0) as client:
                 info = client.info()
+        except EngineUnfit as exc:
+            if fleet:
+                return
+            raise Unprocessable(
+                f"{exc} (HSX_ENGINE_FLEET=true lets other engines serve it)", error=UNFIT
+            ) from exc
         except EngineError:
             return
-        problems = engine_fitness.option_problems(info, options.model_dump(mode="json"), check_cache=False)
+        problems = engine_fitness.option_problems(info, options, check_cache=False)
         for problem in problems:
             code = "max_length_exceeds_context" if problem.startswith("max_length") else "aux_layers_mismatch"
-            raise Unprocessable(f"{problem} ({self.settings.engine_url})", error=code)
+            raise Unprocessable(f"{problem} ({url})", error=code)
+        if fleet:
+            return
+        checked = admission.preflight(self.settings, info)
+        if checked.refused:
+            raise Unprocessable(
+                f"the engine at {url} failed the preflight: {checked.detail} (HSX_ENGINE_FLEET=true "
+                "queues the job for other engines instead)",
+                error=UNFIT,
+            )
 
     @staticmethod
     def _same_request(job: Job, digest: str) -> Job:
@@ -150,7 +182,7 @@ class JobService:
         added = recovery.add_retry_units(
             self.session, job_id, recovery.retriable_rejections(self.session, job_id, RETRIABLE_REASONS)
         )
-        if prepared and not recovery.open_unit_count(self.session, job_id):
+        if prepared and not queries.open_unit_count(self.session, job_id):
             self.session.rollback()
             raise Conflict(
                 f"job {job_id} has no failed unit and no retriable rejection "
@@ -168,7 +200,7 @@ class JobService:
 
     def progress(self, job: Job) -> schemas.Progress:
         live = (
-            document_queries.live_counts(self.session, job.id, time.time())
+            queries.live_counts(self.session, job.id, time.time())
             if job.state == JobState.running.value
             else LiveCounts(0, 0, 0)
         )
@@ -214,23 +246,44 @@ class JobService:
             bytes_written=job.bytes_written,
         )
 
-    def shards(self, job: Job, limit: int, offset: int) -> tuple[list[schemas.ShardOut], int]:
-        """One page of the job's shards in order, and how many there are."""
-        rows = repo.list_shards(self.session, job.id, limit, offset)
-        page = [
-            schemas.ShardOut(path=s.path, sha256=s.sha256, bytes=s.bytes, samples=s.samples, tokens=s.tokens)
-            for s in rows
+    def jobs(self, state: str | None, limit: int, offset: int) -> schemas.JobPage:
+        page = queries.job_page(self.session, state, limit, offset)
+        items = [self.summary(j) for j in page.items]
+        return schemas.JobPage(items=items, total=page.total, limit=limit, offset=offset)
+
+    def shards(self, job_id: str, limit: int, offset: int) -> schemas.ShardPage:
+        """One page of the job's shards in unit order, and how many there are."""
+        page = queries.shard_page(self.session, self.get(job_id).id, limit, offset)
+        return schemas.ShardPage(items=_shards_out(page.items), total=page.total, limit=limit, offset=offset)
+
+    def rejections(self, job_id: str, limit: int, offset: int) -> schemas.RejectionPage:
+        page = queries.rejection_page(self.session, self.get(job_id).id, limit, offset)
+        items = [
+            schemas.RejectionOut(
+                sample_index=r.sample_index, record_id=r.record_id, reason=r.reason, detail=r.detail
+            )
+            for r in page.items
         ]
-        return page, repo.shard_count(self.session, job.id)
+        return schemas.RejectionPage(items=items, total=page.total, limit=limit, offset=offset)
+
+    def truncations(self, job_id: str, limit: int, offset: int) -> schemas.TruncationPage:
+        page = queries.truncation_page(self.session, self.get(job_id).id, limit, offset)
+        items = [
+            schemas.TruncationOut(
+                sample_index=t.sample_index, record_id=t.record_id, tokens=t.tokens, kept=t.kept
+            )
+            for t in page.items
+        ]
+        return schemas.TruncationPage(items=items, total=page.total, limit=limit, offset=offset)
 
     def document(self, job: Job) -> schemas.JobOut:
         manifest = Path(job.output_dir) / MANIFEST_NAME
-        first, total = self.shards(job, SHARDS_IN_DOCUMENT, 0)
+        first = queries.shard_page(self.session, job.id, SHARDS_IN_DOCUMENT, 0)
         return schemas.JobOut(
             id=job.id,
             state=job.state,
             dataset_uri=job.dataset_uri,
-            options=schemas.JobOptions.model_validate(job.options),
+            options=JobOptions.from_stored(job.options, self.settings.samples_per_shard),
             progress=self.progress(job),
             error=job.error,
             output_dir=job.output_dir,
@@ -238,16 +291,24 @@ class JobService:
             engine=job.engine,
             engines=list(job.engines or []),
             output=self.output(job),
+            engine_wait=admission.wait_statement(self.settings),
             units_failed=[
                 schemas.FailedUnitOut(unit_index=u.unit_index, failures=u.failures, error=u.error)
-                for u in recovery.failed_units(self.session, job.id)
+                for u in queries.failed_units(self.session, job.id)
             ],
-            shards=schemas.ShardsPreview(total=total, items=first, href=f"/jobs/{job.id}/shards"),
-            rejections=repo.rejection_counts(self.session, job.id),
+            shards=schemas.ShardsPreview(
+                total=first.total, items=_shards_out(first.items), href=f"/jobs/{job.id}/shards"
+            ),
+            rejections=queries.rejection_counts(self.session, job.id),
+            stream=self.stream(job),
             created_at=job.created_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
         )
+
+    def stream(self, job: Job) -> StreamStatus | None:
+        found = stream_service.status(self.session, job, self.settings, time.time())
+        return None if found is None else StreamStatus.model_validate(found, from_attributes=True)
 
     def summary(self, job: Job) -> schemas.JobSummary:
         return schemas.JobSummary(
@@ -258,6 +319,13 @@ class JobService:
             error=job.error,
             created_at=job.created_at,
         )
+
+
+def _shards_out(rows: list[Shard]) -> list[schemas.ShardOut]:
+    return [
+        schemas.ShardOut(path=s.path, sha256=s.sha256, bytes=s.bytes, samples=s.samples, tokens=s.tokens)
+        for s in rows
+    ]
 
 
 def render_document(settings: Settings, job_id: str) -> bytes:

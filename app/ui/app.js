@@ -142,6 +142,7 @@ async function loadJob() {
   state.textContent = doc.state;
   state.className = "state " + doc.state;
   document.getElementById("job-error").textContent = doc.error || "";
+  drawStream(doc.stream);
   const reasons = Object.entries(doc.rejections).sort((a, b) => b[1] - a[1]);
   document.getElementById("job-rejections").replaceChildren(
     ...(reasons.length ? reasons.map(([r, n]) => el("tr", {}, el("td", { class: "mono" }, r), el("td", {}, n)))
@@ -158,6 +159,28 @@ async function loadJob() {
     el("td", {}, u.attempt), el("td", {}, u.sample_start + "–" + (u.sample_end - 1)), el("td", {}, u.samples_done),
     el("td", {}, u.samples_rejected), el("td", { class: "mono", title: (u.worker || "") + "@" + (u.engine || "") }, u.worker || ""),
     el("td", {}, u.lease_seconds_left === null ? "" : fmtSeconds(u.lease_seconds_left)))));
+}
+
+// A consume job (or one with consumers): buffered bytes against the cap, and who holds what.
+function drawStream(stream) {
+  const panel = document.getElementById("job-stream");
+  panel.hidden = !stream;
+  if (!stream) return;
+  const held = stream.buffered_bytes + stream.in_flight_bytes;
+  const cap = stream.cap_bytes;
+  const fraction = cap ? Math.min(held / cap, 1) : 0;
+  const meter = document.getElementById("stream-buffer");
+  meter.style.width = (fraction * 100).toFixed(1) + "%";
+  meter.className = stream.waiting_on_consumers ? "full" : "";
+  document.getElementById("stream-summary").textContent =
+    stream.retention + " · buffered " + fmtBytes(stream.buffered_bytes) + " + in flight " + fmtBytes(stream.in_flight_bytes) +
+    (cap ? " of " + fmtBytes(cap) + " cap" : "") + " · lag " + fmtBytes(stream.lag_bytes) +
+    " (" + stream.items_ready + " shards ready, " + stream.items_leased + " leased, " + stream.items_acked + " acked)" +
+    (stream.waiting_on_consumers ? " · waiting on consumers" : "");
+  document.getElementById("stream-consumers").replaceChildren(...(stream.consumers.length
+    ? stream.consumers.map((c) => el("tr", {}, el("td", { class: "mono", title: c.id }, c.name), el("td", {}, c.leased_items),
+        el("td", {}, fmtBytes(c.leased_bytes)), el("td", {}, c.items_acked), el("td", {}, fmtSeconds(c.idle_seconds))))
+    : [el("tr", {}, el("td", { class: "muted" }, "no consumer yet"))]));
 }
 
 // --- engines and verify -------------------------------------------------------------------------------------
@@ -177,7 +200,8 @@ async function verify(button) {
       el("span", { class: "muted" }, "  (" + new Date().toLocaleTimeString() + ")")),
     el("table", {}, el("tbody", {}, ...(resp.doc.ok ? resp.doc.checks.slice(0, 6) : failedChecks).map((c) => el("tr", {},
       el("td", { class: "mono" }, c.name), el("td", { class: c.ok ? "ok" : "bad" }, c.ok ? "ok" : "failed"),
-      el("td", { class: "muted" }, "expected " + JSON.stringify(c.expected) + ", got " + JSON.stringify(c.actual)))))));
+      el("td", { class: "muted" }, "expected " + JSON.stringify(c.expected) + ", got " + JSON.stringify(c.actual)
+        + (c.reason ? " (" + c.reason + ": " + c.detail + ")" : "")))))));
 }
 
 async function loadEngines() {

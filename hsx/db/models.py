@@ -85,7 +85,7 @@ class Job(Base):
     bytes_written: Mapped[int] = mapped_column(BigInteger, default=0)
     projection: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     # Every engine a worker brought to this job, fit or not: [{"worker", "url", "state", "reason", ...}]
-    # (hsx.jobs.engines). `engine` above is the one the job started with, which the others must match.
+    # (hsx.jobs.engines_met). `engine` above is the one the job started with, which the others must match.
     engines: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

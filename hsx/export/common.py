@@ -295,6 +295,7 @@ def _write_report(
             "schema_version": manifest.schema_version,
             "final_state": manifest.final_state,
             "dtype": manifest.dtype,
+            "source_dtype": manifest.source_dtype,
             "hidden_size": manifest.hidden_size,
             "aux_layer_ids": manifest.aux_layer_ids,
             "hf_indices": manifest.hf_indices,

@@ -53,6 +53,12 @@ _FEATURES = {
 _NUMPY_WORDS = {"BF16": np.int16, "F16": np.float16, "F32": np.float32}
 
 
+def _dtype_name(tensor: torch.Tensor) -> str:
+    import torch
+
+    return {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[tensor.dtype]
+
+
 def _raw(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes without a copy (bf16 through its int16 words: numpy has no bf16)."""
     import torch
@@ -111,7 +117,9 @@ class SpeculatorsWriter(TargetWriter):
         aux = sample.aux_hidden_state.reshape(tokens, self.aux_layers, hidden)
         states = torch.cat([aux, pre.unsqueeze(1)], dim=1).contiguous()  # [T, A+1, H]
         token_ids = sample.input_ids.to(torch.int64).contiguous()
-        dtype = self.manifest.dtype
+        # The tensor's own dtype: an fp8 job's states arrive dequantized to bf16 (speculators' reader has
+        # no fp8; hs_connectors only writes its fp8 files).
+        dtype = _dtype_name(states)
         header = encode_header(
             [
                 ("hidden_states", dtype, list(states.shape), states.numel() * states.element_size()),

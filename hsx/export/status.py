@@ -13,7 +13,6 @@ a Redis restart, and an export needs no migration. Standard library only.
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 from dataclasses import asdict, dataclass, field
@@ -21,10 +20,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from hsx.fsutil import fsync_dir
+from hsx.layout import write_atomically
 from hsx.settings import Settings
 
-EXPORT_TASK = "hsx.export.tasks.run_export"
 RQ_JOB_PREFIX = "hsx-export-"
 STATES = ("queued", "running", "succeeded", "failed")
 ACTIVE_STATES = ("queued", "running")
@@ -79,17 +77,7 @@ def write_status(settings: Settings, status: ExportStatus) -> None:
     status.updated_at = now()
     path = status_path(settings, status.job_id, status.id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(asdict(status), fh, indent=2, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    write_atomically(path, json.dumps(asdict(status), indent=2, sort_keys=True))
 
 
 def read_status(settings: Settings, job_id: str, export_id: str) -> ExportStatus | None:

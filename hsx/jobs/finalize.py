@@ -8,8 +8,12 @@ from pathlib import Path
 
 from hsx.db.models import JobState, UnitState
 from hsx.db.session import session_scope
+from hsx.fp8 import STATE_DTYPE_OPTION
+from hsx.job_options import JobOptions
+from hsx.jobs import queries
 from hsx.jobs import repository as repo
-from hsx.manifest import Counts, Manifest, ModelInfo, ShardEntry, relative_shard_path
+from hsx.layout import is_temp_name, parse_staged_shard_name
+from hsx.manifest import Counts, ShardEntry, job_manifest, relative_shard_path
 
 log = logging.getLogger(__name__)
 
@@ -24,26 +28,16 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
             return True
         if job.state != JobState.running.value:
             return False
-        counts = repo.unit_counts(session, job_id)
+        counts = queries.unit_counts(session, job_id)
         if sum(n for state, n in counts.items() if state != UnitState.done.value):
             return False
-        shards = repo.list_shards(session, job_id)
+        shards = queries.list_shards(session, job_id)
         engine = job.engine or {}
         out = Path(job.output_dir)
-        manifest = Manifest(
-            job_id=job.id,
-            model=ModelInfo(
-                path=str(engine.get("model_path", "")),
-                num_layers=int(engine.get("num_layers", 0)),
-                hidden_size=int(engine.get("hidden_size", 0)),
-                dtype=str(engine.get("dtype", "")),
-            ),
-            tokenizer=dict(engine.get("tokenizer", {})),
-            chat_template_sha256=str(engine.get("chat_template_sha256", "")),
-            aux_layer_ids=list(engine.get("aux_layer_ids", [])),
-            hf_indices=list(engine.get("hf_indices", [])),
-            dtype=str(engine.get("state_dtype", "")),
-            hidden_size=int(engine.get("hidden_size", 0)),
+        manifest = job_manifest(
+            job.id,
+            engine,
+            fp8=JobOptions.from_stored(job.options).state_dtype == STATE_DTYPE_OPTION,
             counts=Counts(
                 samples=job.samples_done,
                 rejected=job.samples_rejected,
@@ -61,12 +55,6 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
                 )
                 for s in shards
             ],
-            final_state=str(engine.get("final_state", "post")),
-            engine={
-                "backend": engine.get("backend", ""),
-                "protocol_version": engine.get("protocol_version"),
-                **dict(engine.get("extra", {})),
-            },
             extra={"dataset_uri": job.dataset_uri, "options": dict(job.options)},
         )
         published_to = _destination(job_id)
@@ -133,10 +121,6 @@ def _remove_dead_shard_temps(out: Path) -> None:
     (or lost its lease): remove it, or it would stay in the finished output for good."""
     for path in out.iterdir():
         name = path.name
-        if (
-            name.startswith(".")
-            and name.lstrip(".").startswith("shard-")
-            and name.endswith((".staged", ".tmp"))
-        ):
+        if parse_staged_shard_name(name) is not None or (name.startswith(".shard-") and is_temp_name(name)):
             with contextlib.suppress(OSError):  # best effort: leftovers must not fail the job
                 path.unlink()

@@ -12,7 +12,9 @@ from hsx.settings import Settings
 
 log = logging.getLogger(__name__)
 
-RUN_UNIT = "workers.tasks.run_next_unit"
+# The RQ tasks (workers.tasks), by dotted path.
+EXTRACTION_TASK = "workers.tasks.extraction.work_on_job"
+EXPORT_TASK = "workers.tasks.export.run_export"
 WAKEUP_PREFIX = "hsx-wake-"
 
 
@@ -31,7 +33,7 @@ def enqueue_wakeups(settings: Settings, job_id: str, count: int) -> int:
         queue = queue_for(settings)
         for _ in range(count):
             queue.enqueue(
-                RUN_UNIT,
+                EXTRACTION_TASK,
                 job_id,
                 job_id=f"{WAKEUP_PREFIX}{job_id}-{uuid.uuid4().hex[:12]}",
                 job_timeout=-1,

@@ -18,7 +18,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from hsx.db.models import Job, JobState, Rejection, UnitState, WorkUnit, utcnow
-from hsx.jobs.repository import ClaimedUnit, _owned
+from hsx.jobs.repository import ClaimedUnit, held
 
 ERROR_CHARS = 2000
 
@@ -28,20 +28,6 @@ class FailureCount:
     recorded: bool  # False: the attempt no longer held the unit, nothing was written
     failures: int
     unit_failed: bool  # the bound was reached: the unit is failed, and so is its job
-
-
-@dataclass(frozen=True)
-class FailedUnit:
-    unit_index: int
-    failures: int
-    error: str | None
-
-
-@dataclass(frozen=True)
-class RetryCounts:
-    units_reopened: int
-    retry_units: int
-    samples: int
 
 
 def job_error_for(unit_index: int, failures: int, reason: str) -> str:
@@ -74,7 +60,7 @@ def count_unit_failure(session: Session, unit: ClaimedUnit, reason: str, max_fai
 def fail_unit_and_job(session: Session, unit: ClaimedUnit, reason: str, now: float) -> bool:
     """A failure that no retry heals (the dataset is gone, the disk is full, no tokenizer): the unit fails
     and the job with it, only while this attempt holds an unexpired lease. False: it did not."""
-    row = session.execute(select(WorkUnit.failures).where(_owned(unit, now)).with_for_update()).first()
+    row = session.execute(select(WorkUnit.failures).where(held(unit, now)).with_for_update()).first()
     if row is None:
         return False
     _end_attempt(session, unit.id, int(row[0]) + 1, reason, True)
@@ -148,16 +134,6 @@ def _fail_job(session: Session, job_id: str, error: str) -> bool:
         .execution_options(synchronize_session=False)
     )
     return bool(result.rowcount)  # type: ignore[attr-defined]
-
-
-def failed_units(session: Session, job_id: str, limit: int = 20) -> list[FailedUnit]:
-    rows = session.execute(
-        select(WorkUnit.unit_index, WorkUnit.failures, WorkUnit.last_error)
-        .where(WorkUnit.job_id == job_id, WorkUnit.state == UnitState.failed.value)
-        .order_by(WorkUnit.unit_index)
-        .limit(limit)
-    ).all()
-    return [FailedUnit(int(i), int(n), e) for i, n, e in rows]
 
 
 # --- running a finished job again ------------------------------------------------------------------------
@@ -258,15 +234,3 @@ def add_retry_units(session: Session, job_id: str, groups: dict[int, list[int]])
         .execution_options(synchronize_session=False)
     )
     return len(groups)
-
-
-def open_unit_count(session: Session, job_id: str) -> int:
-    """Units not done (pending, leased or failed)."""
-    return int(
-        session.scalar(
-            select(func.count())
-            .select_from(WorkUnit)
-            .where(WorkUnit.job_id == job_id, WorkUnit.state != UnitState.done.value)
-        )
-        or 0
-    )

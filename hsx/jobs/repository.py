@@ -1,4 +1,6 @@
-"""Queries on the job table, shared by the API and the workers. No rules live here, only SQL."""
+"""Writes on the job table: a job's row and its units' lifecycle (prepare, claim, lease, commit), and the
+look-ups by key they start from. No rules live here, only SQL. Read-only queries are in ``queries``;
+failures and retries in ``recovery``."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, delete, func, insert, or_, select, update
+from sqlalchemy import and_, delete, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from hsx.db.models import Job, JobState, Rejection, Shard, Truncation, UnitState, WorkUnit, utcnow
@@ -80,13 +82,10 @@ class ShardRow:
 # --- jobs -----------------------------------------------------------------------------------------------
 
 
-def add_job(session: Session, job: Job, unit_ranges: Sequence[tuple[int, int]]) -> None:
+def add_job(session: Session, job: Job) -> None:
+    """A job as submitted: its units are created when a worker prepares it (``record_prepared``)."""
     session.add(job)
     session.flush()
-    session.add_all(
-        WorkUnit(job_id=job.id, unit_index=i, sample_start=start, sample_end=end)
-        for i, (start, end) in enumerate(unit_ranges)
-    )
 
 
 def begin_prepare(session: Session, job_id: str, owner: str, lease_seconds: float, now: float) -> bool:
@@ -171,16 +170,6 @@ def get_job_by_idempotency_key(session: Session, key: str) -> Job | None:
     return session.scalars(select(Job).where(Job.idempotency_key == key)).first()
 
 
-def list_jobs(session: Session, state: str | None, limit: int, offset: int) -> tuple[list[Job], int]:
-    query = select(Job)
-    count = select(func.count()).select_from(Job)
-    if state is not None:
-        query = query.where(Job.state == state)
-        count = count.where(Job.state == state)
-    rows = session.scalars(query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset)).all()
-    return list(rows), int(session.scalar(count) or 0)
-
-
 def set_job_state(
     session: Session, job_id: str, new_state: JobState, from_states: Sequence[str], **values: Any
 ) -> bool:
@@ -199,18 +188,10 @@ def set_job_state(
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
-def job_state(session: Session, job_id: str) -> str | None:
-    return session.scalar(select(Job.state).where(Job.id == job_id))
-
-
-def active_job_ids(session: Session) -> list[str]:
-    return list(session.scalars(select(Job.id).where(Job.state.in_(ACTIVE_STATES))).all())
-
-
 # --- work units and leases --------------------------------------------------------------------------------
 
 
-def _claimable(now: float) -> Any:
+def claimable(now: float) -> Any:
     return or_(
         WorkUnit.state == UnitState.pending.value,
         and_(WorkUnit.state == UnitState.leased.value, WorkUnit.lease_expires < now),
@@ -225,7 +206,7 @@ def claim_unit(
     for _ in range(20):
         row = session.execute(
             select(WorkUnit.id, WorkUnit.attempt, WorkUnit.state)
-            .where(WorkUnit.job_id == job_id, _claimable(now))
+            .where(WorkUnit.job_id == job_id, claimable(now))
             .order_by(WorkUnit.unit_index)
             .limit(1)
             .with_for_update(skip_locked=True)
@@ -265,7 +246,7 @@ def claim_unit(
     return None
 
 
-def _owned(unit: ClaimedUnit, now: float) -> Any:
+def held(unit: ClaimedUnit, now: float) -> Any:
     return and_(
         WorkUnit.id == unit.id,
         WorkUnit.attempt == unit.attempt,
@@ -288,10 +269,7 @@ def extend_lease(
             live_tokens=live.tokens,
         )
     result = session.execute(
-        update(WorkUnit)
-        .where(_owned(unit, now))
-        .values(**values)
-        .execution_options(synchronize_session=False)
+        update(WorkUnit).where(held(unit, now)).values(**values).execution_options(synchronize_session=False)
     )
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
@@ -344,7 +322,7 @@ def commit_unit(
     never both published and rejected, and never published twice."""
     result = session.execute(
         update(WorkUnit)
-        .where(_owned(unit, now))
+        .where(held(unit, now))
         .values(
             state=UnitState.done.value,
             lease_expires=None,
@@ -433,91 +411,3 @@ def _take_back_rejections(session: Session, unit: ClaimedUnit) -> int:
             .execution_options(synchronize_session=False)
         )
     return count
-
-
-def unit_counts(session: Session, job_id: str) -> dict[str, int]:
-    rows = session.execute(
-        select(WorkUnit.state, func.count()).where(WorkUnit.job_id == job_id).group_by(WorkUnit.state)
-    ).all()
-    return {state: int(n) for state, n in rows}
-
-
-def live_lease_count(session: Session, job_id: str, now: float) -> int:
-    return int(
-        session.scalar(
-            select(func.count())
-            .select_from(WorkUnit)
-            .where(
-                WorkUnit.job_id == job_id,
-                WorkUnit.state == UnitState.leased.value,
-                WorkUnit.lease_expires >= now,
-            )
-        )
-        or 0
-    )
-
-
-def claimable_count(session: Session, job_id: str, now: float) -> int:
-    return int(
-        session.scalar(
-            select(func.count()).select_from(WorkUnit).where(WorkUnit.job_id == job_id, _claimable(now))
-        )
-        or 0
-    )
-
-
-def leased_units(session: Session, job_id: str) -> list[WorkUnit]:
-    return list(
-        session.scalars(
-            select(WorkUnit).where(WorkUnit.job_id == job_id, WorkUnit.state == UnitState.leased.value)
-        ).all()
-    )
-
-
-# --- shards and rejections --------------------------------------------------------------------------------
-
-
-def list_shards(session: Session, job_id: str, limit: int | None = None, offset: int = 0) -> list[Shard]:
-    query = (
-        select(Shard)
-        .join(WorkUnit, Shard.unit_id == WorkUnit.id)
-        .where(Shard.job_id == job_id)
-        .order_by(WorkUnit.unit_index)
-        .offset(offset)
-    )
-    return list(session.scalars(query if limit is None else query.limit(limit)).all())
-
-
-def shard_count(session: Session, job_id: str) -> int:
-    return int(session.scalar(select(func.count()).select_from(Shard).where(Shard.job_id == job_id)) or 0)
-
-
-def list_rejections(session: Session, job_id: str, limit: int, offset: int) -> tuple[list[Rejection], int]:
-    rows = session.scalars(
-        select(Rejection)
-        .where(Rejection.job_id == job_id)
-        .order_by(Rejection.sample_index)
-        .limit(limit)
-        .offset(offset)
-    ).all()
-    total = session.scalar(select(func.count()).select_from(Rejection).where(Rejection.job_id == job_id))
-    return list(rows), int(total or 0)
-
-
-def rejection_counts(session: Session, job_id: str) -> dict[str, int]:
-    rows = session.execute(
-        select(Rejection.reason, func.count()).where(Rejection.job_id == job_id).group_by(Rejection.reason)
-    ).all()
-    return {reason: int(n) for reason, n in rows}
-
-
-def done_units_by_owner_engine(session: Session, job_id: str) -> dict[str, int]:
-    """Units committed per engine: a lease owner is ``host:pid@engine_url``."""
-    owners = session.scalars(
-        select(WorkUnit.lease_owner).where(WorkUnit.job_id == job_id, WorkUnit.state == UnitState.done.value)
-    ).all()
-    counts: dict[str, int] = {}
-    for owner in owners:
-        engine = (owner or "?").rsplit("@", 1)[-1]
-        counts[engine] = counts.get(engine, 0) + 1
-    return counts

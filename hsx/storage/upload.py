@@ -27,7 +27,7 @@ import hashlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -379,8 +379,3 @@ def _abort_stale(client: Any, bucket: str, key: str) -> None:
         for upload in page.get("Uploads", []):
             if upload["Key"] == key:
                 client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload["UploadId"])
-
-
-def relative_keys(manifest: Manifest) -> list[str]:
-    """The object names an upload of this manifest creates, in upload order (the manifest last)."""
-    return [str(PurePosixPath(entry.path)) for entry in manifest.shards] + [MANIFEST_FILE]

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hsx import contract
+from hsx import contract, layout
 
 ENGINE_NAME = "sglang"
 
@@ -157,9 +157,4 @@ def dump_tensor_names(hf_indices: list[int], final_state: str) -> list[str]:
     ``hf_indices`` keeps the contract's meaning whatever the final state (aux layers, then ``N``); with
     ``pre`` the dump holds :data:`contract.PRE_NORM_TENSOR` in place of ``hidden.<N>``.
     """
-    names = [contract.tensor_name(i) for i in hf_indices[:-1]]
-    if final_state in ("post", "both"):
-        names.append(contract.tensor_name(hf_indices[-1]))
-    if final_state in ("pre", "both"):
-        names.append(contract.PRE_NORM_TENSOR)
-    return names
+    return layout.state_tensor_names(hf_indices, final_state)

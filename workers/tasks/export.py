@@ -1,4 +1,4 @@
-"""The RQ entry point of an export made through the API: ``hsx.export.tasks.run_export(job_id, export_id)``.
+"""The RQ entry point of an export made through the API: ``run_export(job_id, export_id)``.
 
 It runs in any ``hsx worker`` (same queue as the extraction units) and keeps the export's status record
 (hsx.export.status) up to date. Running it again is safe: a finished export is not redone, and an export

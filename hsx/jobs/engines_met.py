@@ -1,8 +1,8 @@
 """The engines a job met: one entry per worker host and engine URL, in ``jobs.engines`` (a JSON list).
 
 A worker writes its engine's entry each time it joins a job: ``ok`` (it took units; ``verified`` once its
-preflight passed for this job), ``unfit`` (another model, tokenizer or template than the job's, a prefix
-cache without per-request namespaces, a failed preflight, a protocol break) or ``unavailable`` (it did not
+preflight passed for this job), ``unfit`` (another model, tokenizer or template than the job's, its prefix
+cache on, a failed preflight, a protocol break) or ``unavailable`` (it did not
 answer). ``GET /jobs/{id}`` shows the list, so a job waiting for a fit engine says why.
 
 Entry: ``{"worker", "url", "state", "reason", "backend", "model_fingerprint", "identity", "verified",

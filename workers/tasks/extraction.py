@@ -1,5 +1,5 @@
-"""RQ entry points. Plain functions that take ids and open their own sessions; the API enqueues them by
-dotted path, so it never imports torch. RQ only wakes workers: the job table says what is left to do."""
+"""The RQ entry point of extraction: ``work_on_job(job_id)``, enqueued as a wake-up (hsx.jobs.queue). RQ
+only wakes workers: the job table says what is left to do."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 STOP_SIGNAL = signal.SIGUSR1
 
 
-def run_next_unit(job_id: str) -> str:
+def work_on_job(job_id: str) -> str:
     """Work on a job until no unit is left to claim (preparing or starting it first if it is queued)."""
     from workers.job_runner import SHUTDOWN, JobRunner
 

@@ -1,0 +1,90 @@
+"""Whether ``POST /jobs`` may accept a job, where the answer is already known: the configured engine
+(``HSX_ENGINE_URL``) answers and fails the preflight (``hsx verify``), so no worker of this deployment could
+ever serve the job. Refused then with a 422 naming the failed checks, rather than queued to fail after
+``HSX_NO_FIT_ENGINE_SECONDS``.
+
+Not refused: an engine that does not answer now (every worker checks its own engine), a preflight whose
+failures may be the API's own view (it could not read the dumps or load a tokenizer, or a prefill did not
+come back in time), and any job in a fleet (``HSX_ENGINE_FLEET=true``), where other engines may join. Those
+jobs keep the wait, and the job document says so (``engine_wait``).
+
+A preflight is two prefills of a short prompt; its result is kept per engine identity (everything
+``/hsx/info`` reports, the prefix cache included) for ``HSX_SUBMIT_PREFLIGHT_TTL_SECONDS``, so a burst of
+submissions runs it once and a restarted engine with other settings is checked afresh.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from hsx import engine_fitness
+from hsx.contract import EngineInfo
+from hsx.settings import Settings
+
+# Shorter than hsx verify's own limits: a preflight that cannot finish in this time decides nothing here.
+PREFLIGHT_TIMEOUT_SECONDS = 30.0
+PREFLIGHT_DUMP_WAIT_SECONDS = 10.0
+# Failed checks that may say more about the API's host or the moment than about the engine (no tokenizer
+# files, no view of the dump directory, a request lost in transit): never a reason to refuse. Every other
+# check judges what the engine itself reported or dumped.
+INCONCLUSIVE_CHECKS = ("engine_info", "tokenizer", ".generate", ".dump")
+
+
+@dataclass(frozen=True)
+class Preflight:
+    refused: bool
+    failed: tuple[str, ...]  # "name: expected X, got Y" for every failed check
+
+    @property
+    def detail(self) -> str:
+        return "; ".join(self.failed)
+
+
+_results: dict[tuple[str, str, str], tuple[float, Preflight]] = {}
+# One preflight at a time per API process: submissions that arrive meanwhile wait for it and share it.
+_lock = threading.Lock()
+
+
+def preflight(settings: Settings, info: EngineInfo) -> Preflight:
+    """The configured engine's preflight, run at most once per identity and TTL in this process."""
+    # The API's view of the dumps is part of what the result depends on.
+    key = (settings.engine_url, settings.dump_dir, engine_fitness.identity_digest(info))
+    with _lock:
+        kept = _results.get(key)
+        if kept is not None and time.monotonic() - kept[0] < settings.submit_preflight_ttl_seconds:
+            return kept[1]
+        result = _run(settings)
+        _results[key] = (time.monotonic(), result)
+        return result
+
+
+def _run(settings: Settings) -> Preflight:
+    from hsx.verify import run_verification
+
+    report = run_verification(
+        settings.engine_url,
+        settings.dump_dir or None,
+        rid_prefix_tag="submit",
+        timeout=PREFLIGHT_TIMEOUT_SECONDS,
+        dump_wait_seconds=PREFLIGHT_DUMP_WAIT_SECONDS,
+    )
+    failed = [c for c in report.checks if not c.ok]
+    conclusive = [c for c in failed if not any(c.name.endswith(n) for n in INCONCLUSIVE_CHECKS)]
+    described = tuple(f"{c.name}: expected {c.expected}, got {c.actual}" for c in failed)
+    return Preflight(refused=bool(conclusive), failed=described)
+
+
+def wait_statement(settings: Settings) -> str:
+    """What the job document says about waiting for a fit engine."""
+    window = f"{settings.no_fit_engine_seconds:g}s"
+    if settings.engine_fleet:
+        return (
+            f"fleet (HSX_ENGINE_FLEET): other engines may join, so a job is not refused for the configured "
+            f"engine's preflight; it waits up to {window} for a fit engine, then fails naming those it met"
+        )
+    return (
+        f"single engine: POST /jobs refuses a job the configured engine (when it answers) is unfit for; an "
+        f"accepted job that meets no fit engine for {window} fails, naming those it met"
+    )

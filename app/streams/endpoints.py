@@ -1,0 +1,115 @@
+"""HTTP routes of a job's stream. Routers hold no SQL and no rules: they call hsx.streams.service."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Depends, Response, status
+
+from app.deps import SessionDep, SettingsDep
+from app.jobs.endpoints import ERRORS, document_cache, json_body
+from app.streams import schemas
+from hsx.streams import repository as repo
+from hsx.streams.models import StreamConsumer
+from hsx.streams.service import StreamService
+
+router = APIRouter(prefix="/jobs/{job_id}/consumers", tags=["streams"])
+
+
+def consumer_out(
+    consumer: StreamConsumer, leases: dict[str, tuple[int, int]], now: float
+) -> schemas.ConsumerOut:
+    items, nbytes = leases.get(consumer.id, (0, 0))
+    return schemas.ConsumerOut(
+        id=consumer.id,
+        job_id=consumer.job_id,
+        name=consumer.name,
+        group=consumer.group_name,
+        lease_seconds=consumer.lease_seconds,
+        leased_items=items,
+        leased_bytes=nbytes,
+        items_acked=consumer.items_acked,
+        bytes_acked=consumer.bytes_acked,
+        idle_seconds=round(max(now - consumer.last_seen, 0.0), 1),
+    )
+
+
+@router.post(
+    "",
+    response_model=schemas.ConsumerOut,
+    status_code=status.HTTP_201_CREATED,
+    dependencies=[Depends(json_body)],
+    responses=ERRORS,
+)
+def register_consumer(
+    job_id: str, body: schemas.ConsumerCreate, response: Response, session: SessionDep, settings: SettingsDep
+) -> schemas.ConsumerOut:
+    consumer = StreamService(session, settings).register(job_id, body.name, body.lease_seconds, body.group)
+    response.headers["Location"] = f"/jobs/{job_id}/consumers/{consumer.id}"
+    document_cache(settings).forget(job_id)
+    return consumer_out(consumer, {}, time.time())
+
+
+@router.get("", response_model=schemas.ConsumerPage, responses=ERRORS)
+def list_consumers(job_id: str, session: SessionDep, settings: SettingsDep) -> schemas.ConsumerPage:
+    consumers = StreamService(session, settings).consumers(job_id)
+    now = time.time()
+    leases = repo.consumer_leases(session, job_id, now)
+    return schemas.ConsumerPage(items=[consumer_out(c, leases, now) for c in consumers])
+
+
+@router.post(
+    "/{consumer_id}/leases",
+    response_model=schemas.LeaseOut,
+    dependencies=[Depends(json_body)],
+    responses=ERRORS,
+)
+def lease(
+    job_id: str, consumer_id: str, body: schemas.LeaseRequest, session: SessionDep, settings: SettingsDep
+) -> schemas.LeaseOut:
+    answer = StreamService(session, settings).lease(job_id, consumer_id, body.max_items)
+    return schemas.LeaseOut(
+        job_state=answer.job_state,
+        items=[
+            schemas.LeasedItemOut(
+                id=i.id,
+                delivery=i.delivery,
+                unit_index=i.unit_index,
+                path=i.path,
+                sha256=i.sha256,
+                header_sha256=i.header_sha256,
+                bytes=i.bytes,
+                samples=i.samples,
+                tokens=i.tokens,
+                lease_expires=i.lease_expires,
+            )
+            for i in answer.items
+        ],
+        end_of_stream=answer.end_of_stream,
+        error=answer.error,
+    )
+
+
+@router.post(
+    "/{consumer_id}/acks", response_model=schemas.AckOut, dependencies=[Depends(json_body)], responses=ERRORS
+)
+def acknowledge(
+    job_id: str, consumer_id: str, body: schemas.AckRequest, session: SessionDep, settings: SettingsDep
+) -> schemas.AckOut:
+    answer = StreamService(session, settings).ack(
+        job_id, consumer_id, [(d.id, d.delivery) for d in body.items]
+    )
+    document_cache(settings).forget(job_id)
+    return schemas.AckOut(
+        acked=answer.acked,
+        refused=[schemas.RefusedAck(**r) for r in answer.refused],
+        deleted=answer.deleted,
+    )
+
+
+@router.delete("/{consumer_id}", status_code=status.HTTP_204_NO_CONTENT, responses=ERRORS)
+def close_consumer(job_id: str, consumer_id: str, session: SessionDep, settings: SettingsDep) -> Response:
+    """The consumer leaves: the items it holds go back to the others at once."""
+    StreamService(session, settings).close(job_id, consumer_id)
+    document_cache(settings).forget(job_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

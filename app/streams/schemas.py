@@ -1,0 +1,121 @@
+"""Request and response shapes of the stream routes (docs/streaming.md)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ConsumerCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field("consumer", min_length=1, max_length=200, description="Shown on the job: rank, host.")
+    group: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="One trainer's consumers (every rank and DataLoader worker) share a group; the stream "
+        "ends for them once every shard is acknowledged or leased within it. Default: a group of its own.",
+    )
+    lease_seconds: float | None = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="How long a leased item stays this consumer's without an acknowledgement; default "
+        "HSX_STREAM_LEASE_SECONDS. Longer than the slowest optimizer step over one item.",
+    )
+
+
+class ConsumerOut(BaseModel):
+    id: str
+    job_id: str
+    name: str
+    group: str
+    lease_seconds: float
+    leased_items: int = Field(description="Items it holds under a live lease.")
+    leased_bytes: int
+    items_acked: int
+    bytes_acked: int
+    idle_seconds: float = Field(description="Since its last lease or acknowledgement call.")
+
+
+class ConsumerPage(BaseModel):
+    items: list[ConsumerOut]
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_items: int = Field(1, ge=1, le=1000)
+
+
+class LeasedItemOut(BaseModel):
+    id: int
+    delivery: int = Field(description="Name it when acknowledging: a later delivery of the item is another.")
+    unit_index: int
+    path: str
+    sha256: str = Field(description="Of the shard's data section (docs/format.md).")
+    header_sha256: str | None = Field(description="Of its length prefix and header.")
+    bytes: int
+    samples: int
+    tokens: int
+    lease_expires: float = Field(description="Epoch seconds.")
+
+
+class LeaseOut(BaseModel):
+    job_state: str
+    items: list[LeasedItemOut]
+    end_of_stream: bool = Field(
+        description="The job succeeded and every shard is acknowledged or leased to this consumer's group."
+    )
+    error: str | None = Field(None, description="Why the job failed or was cancelled.")
+
+
+class Delivery(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: int
+    delivery: int
+
+
+class AckRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    items: list[Delivery] = Field(min_length=1, max_length=1000)
+
+
+class RefusedAck(BaseModel):
+    id: int
+    delivery: int
+    reason: str
+
+
+class AckOut(BaseModel):
+    acked: list[int]
+    refused: list[RefusedAck] = Field(
+        description="Deliveries this consumer no longer holds (acknowledged before, or leased to another "
+        "consumer after this lease ran out)."
+    )
+    deleted: int = Field(description="Shard files deleted (retention consume).")
+
+
+class StreamConsumerStatus(BaseModel):
+    id: str
+    name: str
+    leased_items: int
+    leased_bytes: int
+    items_acked: int
+    idle_seconds: float
+
+
+class StreamStatus(BaseModel):
+    retention: str
+    cap_bytes: int | None = Field(description="consume: the byte cap; keep: none.")
+    buffered_bytes: int = Field(description="Committed and not acknowledged.")
+    in_flight_bytes: int = Field(description="Units workers hold now, at the expected unit size.")
+    unit_bytes: int = Field(description="What one unit's shard is expected to take.")
+    waiting_on_consumers: bool = Field(description="Work is left, and the cap holds it until consumers ack.")
+    items_ready: int
+    items_leased: int
+    items_acked: int
+    lag_bytes: int = Field(description="Committed bytes no consumer holds yet.")
+    consumers: list[StreamConsumerStatus]

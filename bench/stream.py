@@ -1,0 +1,174 @@
+"""``hsx bench stream``: a consume job with a byte cap, drained by a consumer that reads and acknowledges
+as fast as it can, against the same job in keep mode in the same run, both on the synthetic engine at
+Kimi-K2.5's width (hidden 7168; three aux layers plus the final state: 57 KB a token in BF16).
+
+    hsx bench stream [--samples 64] [--tokens 256] [--samples-per-shard 2] [--cap-fraction 0.1]
+                     [--hidden-size 7168] [--num-layers 61] [--processes 2] [--concurrency 4]
+                     [--engine-url URL]   (a running engine, e.g. the patched SGLang, instead)
+
+The cap is ``--cap-fraction`` of what the keep job wrote (so the output is 1/fraction times the cap). The
+consumer leases one shard at a time, reads it whole (its sha256 checked, its sample list taken) and
+acknowledges it; a monitor samples the consume job's output directory (every file, staged shards included)
+and its buffered bytes. Prints a table, then one JSON line: ``job_tok_s`` (consume), ``keep_tok_s``,
+``ratio``, ``cap_bytes``, ``peak_buffered_bytes``, ``peak_disk_bytes``, ``output_bytes`` (what keep
+wrote), ``unit_bytes`` (the largest shard), ``lost`` and ``duplicated`` (samples, by the consumer's count
+against the job's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import job_rate, private_stack, say, table, write_pretokenized  # noqa: E402
+
+
+def directory_bytes(path: Path) -> int:
+    total = 0
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        try:
+            total += entry.stat().st_size
+        except FileNotFoundError:
+            continue
+    return total
+
+
+class Monitor(threading.Thread):
+    """Peaks of the consume job's disk use (sampled from its directory) and buffered bytes (the table)."""
+
+    def __init__(self, output_dir: Path, db_url: str, job_id: str) -> None:
+        super().__init__(daemon=True)
+        self.output_dir, self.db_url, self.job_id = output_dir, db_url, job_id
+        self.peak_disk = self.peak_buffered = 0
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        from hsx.db.session import session_scope
+        from hsx.streams import repository
+
+        beat = 0
+        while not self.stopped.wait(0.02):
+            self.peak_disk = max(self.peak_disk, directory_bytes(self.output_dir))
+            beat += 1
+            if beat % 5 == 0:
+                with session_scope(self.db_url) as session:
+                    buffered = repository.buffered_bytes(session, self.job_id)
+                self.peak_buffered = max(self.peak_buffered, buffered)
+
+
+def consume(stack: Any, job_id: str, seen: list[int]) -> None:
+    """Lease, read whole, acknowledge, until the stream ends."""
+    from hsx.streams.reader import manifest_for, open_item
+
+    http, base = stack.http, f"{stack.api_url}/jobs/{job_id}"
+    consumer = http.post(f"{base}/consumers", json={"name": "bench"}).json()["id"]
+    manifest = None
+    while True:
+        answer = http.post(f"{base}/consumers/{consumer}/leases", json={"max_items": 1}).json()
+        if answer["job_state"] in ("failed", "cancelled"):
+            raise SystemExit(f"job {answer['job_state']}: {answer.get('error')}")
+        for item in answer["items"]:
+            if manifest is None:
+                manifest = manifest_for(stack.job(job_id))
+            view = open_item(item, manifest, verify=True)  # reads every byte (the sha256)
+            seen.extend(int(i) for i in view.indices)
+            del view
+            body = {"items": [{"id": item["id"], "delivery": item["delivery"]}]}
+            http.post(f"{base}/consumers/{consumer}/acks", json=body).raise_for_status()
+        if answer["end_of_stream"]:
+            return
+        if not answer["items"]:
+            time.sleep(0.02)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hsx bench stream", description=__doc__)
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--samples-per-shard", type=int, default=2)
+    parser.add_argument("--cap-fraction", type=float, default=0.1)
+    parser.add_argument("--hidden-size", type=int, default=7168)
+    parser.add_argument("--num-layers", type=int, default=61)
+    parser.add_argument("--processes", type=int, default=2, help="worker processes")
+    parser.add_argument("--concurrency", type=int, default=4, help="prefills in flight per worker process")
+    parser.add_argument("--database-url")
+    parser.add_argument("--engine-url", help="a running engine (default: start a synthetic one)")
+    parser.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
+    args = parser.parse_args(argv)
+    settings = {"HSX_ENGINE_CONCURRENCY": str(args.concurrency), "HSX_JOB_DOCUMENT_TTL_SECONDS": "0.2"}
+    with private_stack("stream", database_url=args.database_url, settings=settings) as stack:
+        dataset = stack.work / "bench.jsonl"
+        total = write_pretokenized(dataset, [args.tokens] * args.samples, vocab=args.vocab)
+        if args.engine_url:
+            args.hidden_size = stack.use_engine(args.engine_url)
+        else:
+            stack.start_engine_synthetic(args.hidden_size, args.num_layers)
+        stack.start_api()
+        stack.start_workers(args.processes)
+        out = Path(stack.env["HSX_OUTPUT_DIR"])
+
+        say("keep job")
+        keep_id, _ = stack.submit(dataset, samples_per_shard=args.samples_per_shard)
+        keep = stack.wait(keep_id, timeout=3600)
+        if keep["state"] != "succeeded":
+            raise SystemExit(f"keep job {keep['state']}: {keep.get('error')}")
+        output_bytes = int(keep["output"]["bytes_written"])
+        shards = stack.http.get(f"{stack.api_url}/jobs/{keep_id}/shards", params={"limit": 1000}).json()
+        unit_bytes = max(s["bytes"] for s in shards["items"])
+        shutil.rmtree(out / keep_id, ignore_errors=True)
+        cap = max(1, int(output_bytes * args.cap_fraction))
+
+        say(f"consume job, cap {cap:,} bytes ({output_bytes / cap:.1f}x under the output)")
+        job_id, _ = stack.submit(
+            dataset, samples_per_shard=args.samples_per_shard, retention="consume", buffer_cap_bytes=cap
+        )
+        monitor = Monitor(out / job_id, stack.env["HSX_DATABASE_URL"], job_id)
+        monitor.start()
+        seen: list[int] = []
+        consume(stack, job_id, seen)
+        doc = stack.wait(job_id, timeout=3600)
+        monitor.stopped.set()
+        monitor.join()
+        if doc["state"] != "succeeded":
+            raise SystemExit(f"consume job {doc['state']}: {doc.get('error')}")
+        expected = doc["progress"]["samples_done"]
+        job, keep_rate = job_rate(doc), job_rate(keep)
+        result = {
+            "bench": "stream",
+            "samples": args.samples,
+            "tokens": total,
+            "hidden_size": args.hidden_size,
+            "processes": args.processes,
+            "job_tok_s": round(job),
+            "keep_tok_s": round(keep_rate),
+            "ratio": round(job / keep_rate, 3),
+            "cap_bytes": cap,
+            "peak_buffered_bytes": monitor.peak_buffered,
+            "peak_disk_bytes": monitor.peak_disk,
+            "output_bytes": output_bytes,
+            "unit_bytes": unit_bytes,
+            "disk_within_cap_plus_unit": monitor.peak_disk <= cap + unit_bytes,
+            "lost": expected - len(set(seen)),
+            "duplicated": len(seen) - len(set(seen)),
+            "left_on_disk": len(list((out / job_id).glob("shard-*.safetensors"))),
+        }
+    table([(key, str(value)) for key, value in result.items()])
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""The rules of a job's stream: who may read it, what a lease hands out, what an acknowledgement frees,
+and whether a worker may claim another unit of a consume job (the byte cap). The API and the workers both
+call here; the queries are in :mod:`hsx.streams.repository`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from hsx.db.models import Job, JobState
+from hsx.errors import Conflict, NotFound
+from hsx.job_options import JobOptions
+from hsx.jobs import queries as job_queries
+from hsx.jobs import repository as jobs_repo
+from hsx.settings import Settings
+from hsx.streams import repository as repo
+from hsx.streams.contract import CONSUME, Budget
+from hsx.streams.models import StreamConsumer
+from hsx.streams.repository import LeasedItem
+from hsx.streams.room import signal_room
+
+log = logging.getLogger(__name__)
+
+
+def retention_of(stored: Mapping[str, Any] | None) -> str:
+    """A job row's retention, read through the one options model (old rows: keep)."""
+    return JobOptions.from_stored(stored).retention
+
+
+def cap_of(job: Job, settings: Settings) -> int:
+    return JobOptions.from_stored(job.options).buffer_cap_bytes or settings.stream_buffer_cap_bytes
+
+
+def unit_bytes(session: Session, job: Job) -> int:
+    """What one unit's shard is expected to take: the projection's share per unit, or the largest shard
+    committed so far when that is more (a projection from a sample of records is an estimate)."""
+    projected = (job.projection or {}).get("bytes") or 0
+    share = -(-int(projected) // job.units_total) if job.units_total else 0
+    return max(share, repo.largest_shard_bytes(session, job.id))
+
+
+def budget(session: Session, job: Job, settings: Settings, now: float) -> Budget | None:
+    """A consume job's bytes as the claim rule counts them; None for a job that keeps its output."""
+    if retention_of(job.options) != CONSUME:
+        return None
+    return Budget(
+        cap_bytes=cap_of(job, settings),
+        buffered_bytes=repo.buffered_bytes(session, job.id),
+        leased_units=repo.live_unit_leases(session, job.id, now),
+        unit_bytes=unit_bytes(session, job),
+    )
+
+
+def may_claim(session: Session, job_id: str, settings: Settings, now: float) -> bool:
+    """Called in the claim's own transaction: the job row is locked first, so claims of one consume job
+    are decided one after another and the cap holds with any number of workers."""
+    options = repo.job_options(session, job_id)
+    if options is None or retention_of(options) != CONSUME:
+        return options is not None  # a keep job's claims take no lock
+    job = repo.lock_job(session, job_id)
+    if job is None:
+        return False
+    room = budget(session, job, settings, now)
+    return room is None or room.may_claim()
+
+
+def waiting_on_consumers(session: Session, job: Job, settings: Settings, now: float) -> bool:
+    """Work is left to claim and the cap holds it back until consumers acknowledge."""
+    if job.state != JobState.running.value:
+        return False
+    room = budget(session, job, settings, now)
+    return room is not None and not room.may_claim() and job_queries.claimable_count(session, job.id, now) > 0
+
+
+def wakeable_units(session: Session, job_id: str, settings: Settings, now: float) -> int:
+    """Claimable units worth waking workers for: none while a consume job's cap holds them back (its
+    acknowledgements wake workers then; nothing polls it)."""
+    claimable = job_queries.claimable_count(session, job_id, now)
+    job = jobs_repo.get_job(session, job_id) if claimable else None
+    if job is not None and waiting_on_consumers(session, job, settings, now):
+        return 0
+    return claimable
+
+
+@dataclass
+class LeaseAnswer:
+    job_state: str
+    items: list[LeasedItem]
+    # The job succeeded and every shard is acknowledged or leased to this consumer's group (which
+    # acknowledges it after its optimizer step): nothing more comes. A shard another reader holds keeps the
+    # stream open until that reader acknowledges it or its lease runs out and the shard comes here.
+    end_of_stream: bool
+    error: str | None = None
+
+
+@dataclass
+class AckAnswer:
+    acked: list[int] = field(default_factory=list)
+    # Deliveries this consumer no longer holds (acknowledged already, or its lease ran out and the item went
+    # to another consumer): not counted, and the item's fate is the other delivery's.
+    refused: list[dict[str, Any]] = field(default_factory=list)
+    deleted: int = 0
+
+
+class StreamService:
+    def __init__(self, session: Session, settings: Settings) -> None:
+        self.session = session
+        self.settings = settings
+
+    def _job(self, job_id: str) -> Job:
+        job = None if "\x00" in job_id or len(job_id) > 36 else jobs_repo.get_job(self.session, job_id)
+        if job is None:
+            raise NotFound(f"no job {job_id}", error="job_not_found")
+        return job
+
+    def _consumer(self, job_id: str, consumer_id: str) -> StreamConsumer:
+        consumer = None if len(consumer_id) > 36 else repo.get_consumer(self.session, job_id, consumer_id)
+        if consumer is None:
+            raise NotFound(f"no consumer {consumer_id} of job {job_id}", error="consumer_not_found")
+        return consumer
+
+    def register(
+        self, job_id: str, name: str, lease_seconds: float | None, group: str | None = None
+    ) -> StreamConsumer:
+        job = self._job(job_id)
+        if job.state in (JobState.failed.value, JobState.cancelled.value):
+            raise Conflict(f"job is {job.state}: {job.error or ''}".strip(), error="job_not_streamable")
+        now = time.time()
+        consumer_id = str(uuid.uuid4())
+        consumer = StreamConsumer(
+            id=consumer_id,
+            job_id=job_id,
+            name=name,
+            group_name=group or consumer_id,
+            lease_seconds=lease_seconds or self.settings.stream_lease_seconds,
+            last_seen=now,
+            items_acked=0,
+            bytes_acked=0,
+        )
+        repo.add_consumer(self.session, consumer)
+        self.session.commit()
+        return consumer
+
+    def consumers(self, job_id: str) -> list[StreamConsumer]:
+        self._job(job_id)
+        return repo.list_consumers(self.session, job_id)
+
+    def lease(self, job_id: str, consumer_id: str, max_items: int) -> LeaseAnswer:
+        job = self._job(job_id)
+        consumer = self._consumer(job_id, consumer_id)
+        now = time.time()
+        repo.touch_consumer(self.session, consumer.id, now)
+        if job.state in (JobState.failed.value, JobState.cancelled.value):
+            # A trainer must never take a failed job for the end of its data: it is told, and given nothing.
+            self.session.commit()
+            return LeaseAnswer(job.state, [], False, job.error)
+        repo.add_missing_items(self.session, job_id)
+        items = repo.lease_items(self.session, job_id, consumer.id, max_items, consumer.lease_seconds, now)
+        end = (
+            not items
+            and job.state == JobState.succeeded.value
+            and repo.unacked_outside_group(self.session, job_id, consumer.group_name, now) == 0
+        )
+        self.session.commit()
+        if retention_of(job.options) == CONSUME:
+            # Files an acknowledgement could not delete (a crash between its commit and the unlink).
+            delete_acknowledged(self.session, job_id)
+        return LeaseAnswer(job.state, items, end, job.error)
+
+    def ack(self, job_id: str, consumer_id: str, deliveries: list[tuple[int, int]]) -> AckAnswer:
+        """Acknowledge deliveries (item id, delivery); in consume mode their shards are deleted once the
+        acknowledgement has committed, so a crash in between leaves a file to delete, never a lost one."""
+        job = self._job(job_id)
+        consumer = self._consumer(job_id, consumer_id)
+        now = time.time()
+        answer = AckAnswer()
+        nbytes = 0
+        for item_id, delivery in deliveries:
+            size = repo.ack_item(self.session, job_id, consumer.id, item_id, delivery, now)
+            if size < 0:
+                answer.refused.append(
+                    {"id": item_id, "delivery": delivery, "reason": "not leased to this consumer"}
+                )
+            else:
+                answer.acked.append(item_id)
+                nbytes += size
+        repo.count_acks(self.session, consumer.id, len(answer.acked), nbytes)
+        repo.touch_consumer(self.session, consumer.id, now)
+        self.session.commit()
+        if retention_of(job.options) == CONSUME:
+            answer.deleted = delete_acknowledged(self.session, job_id)
+            if answer.acked and job.state == JobState.running.value:
+                signal_room(self.settings, job_id, len(answer.acked))
+                wake_workers(self.settings, self.session, job_id)
+        return answer
+
+    def close(self, job_id: str, consumer_id: str) -> int:
+        """A consumer leaves: what it holds goes back to the others at once. Returns how many items."""
+        self._job(job_id)
+        consumer = self._consumer(job_id, consumer_id)
+        released = repo.release_leases_of(self.session, consumer.id)
+        self.session.delete(consumer)
+        self.session.commit()
+        return released
+
+
+def delete_acknowledged(session: Session, job_id: str) -> int:
+    """Delete the shard files of acknowledged items (and only those), then record that they are gone."""
+    gone: list[int] = []
+    for item_id, path in repo.acked_undeleted(session, job_id):
+        with contextlib.suppress(FileNotFoundError):
+            Path(path).unlink()
+        gone.append(item_id)
+    repo.mark_deleted(session, gone, time.time())
+    session.commit()
+    return len(gone)
+
+
+def wake_workers(settings: Settings, session: Session, job_id: str) -> None:
+    """Acknowledgements made room under the cap: wake idle workers for the job (after the commit; a lost
+    wake-up is repaired by the reconciler, which wakes a consume job whenever it may claim)."""
+    from hsx.jobs.queue import wake_idle_workers
+
+    now = time.time()
+    try:
+        claimable = job_queries.claimable_count(session, job_id, now)
+        if claimable and may_claim(session, job_id, settings, now):
+            session.rollback()  # drop the row lock before talking to Redis
+            wake_idle_workers(settings, job_id, claimable)
+        else:
+            session.rollback()
+    except Exception as exc:  # noqa: BLE001 - the reconciler is the safety net for a lost wake-up
+        log.warning("could not wake workers for job %s after acknowledgements: %s", job_id, exc)
+
+
+@dataclass(frozen=True)
+class ConsumerStatus:
+    id: str
+    name: str
+    leased_items: int
+    leased_bytes: int
+    items_acked: int
+    idle_seconds: float
+
+
+@dataclass(frozen=True)
+class StreamStatus:
+    retention: str
+    cap_bytes: int | None
+    buffered_bytes: int
+    in_flight_bytes: int
+    unit_bytes: int
+    waiting_on_consumers: bool
+    items_ready: int
+    items_leased: int
+    items_acked: int
+    lag_bytes: int
+    consumers: list[ConsumerStatus]
+
+
+def status(session: Session, job: Job, settings: Settings, now: float) -> StreamStatus | None:
+    """A job's stream as ``GET /jobs/{id}`` shows it; None for a keep job nobody reads."""
+    consumers = repo.list_consumers(session, job.id)
+    room = budget(session, job, settings, now)
+    if room is None and not consumers:
+        return None
+    counts = repo.item_counts(session, job.id, now)
+    leases = repo.consumer_leases(session, job.id, now)
+    return StreamStatus(
+        retention=retention_of(job.options),
+        cap_bytes=None if room is None else room.cap_bytes,
+        buffered_bytes=repo.buffered_bytes(session, job.id) if room is None else room.buffered_bytes,
+        in_flight_bytes=0 if room is None else room.in_flight_bytes,
+        unit_bytes=unit_bytes(session, job) if room is None else room.unit_bytes,
+        waiting_on_consumers=waiting_on_consumers(session, job, settings, now),
+        items_ready=counts.ready,
+        items_leased=counts.leased,
+        items_acked=counts.acked,
+        lag_bytes=counts.ready_bytes,
+        consumers=[
+            ConsumerStatus(
+                c.id,
+                c.name,
+                *leases.get(c.id, (0, 0)),
+                c.items_acked,
+                round(max(now - c.last_seen, 0.0), 1),
+            )
+            for c in consumers
+        ],
+    )

@@ -1,0 +1,288 @@
+"""``hsx publish specforge JOB``: feed a running hsx job into SpecForge 0.2.0's own disaggregated stream,
+so SpecForge's online consumer trains from it with no hsx code on its side (layout:
+:mod:`hsx.streams.specforge_layout`; docs/streaming.md, "SpecForge's own stream").
+
+The publisher is an hsx stream consumer like any trainer. It leases one committed shard at a time, writes
+each sample's features into the shared feature directory, appends the samples' refs to the channel, and
+acknowledges the shard to hsx only once the trainer is done with every sample of it: the sample's position
+in the channel is below the trainer's consumed counter, or its feature file is gone (released). Until then
+the shard stays leased, so its bytes count against the job's cap. The publisher leases no more while
+``window`` refs are published but not consumed, so SpecForge's backpressure holds hsx's workers back
+exactly as a slow hsx consumer does.
+
+A failed or cancelled job becomes the channel's ``.failed`` sentinel (the trainer raises); a succeeded
+one, once every shard is published, ``.closed`` (the trainer ends when drained). A restarted publisher
+continues the same channel: refs already published are not published again, and the old hsx consumer's
+leases are handed back first so its shards come back at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from hsx.manifest import Manifest
+from hsx.streams import specforge_layout as layout
+from hsx.streams.reader import item_samples, manifest_for
+from hsx.streams.specforge_cli import DEFAULT_LEASE_SECONDS, DEFAULT_WINDOW
+
+log = logging.getLogger(__name__)
+
+
+class PublishError(RuntimeError):
+    """The publisher cannot go on (the API refused it, the channel belongs to another job)."""
+
+
+@dataclass
+class HeldItem:
+    """A leased hsx shard whose samples are published, waiting for the trainer to finish them."""
+
+    item_id: int
+    delivery: int
+    sample_ids: list[str]
+
+
+@dataclass
+class PublishResult:
+    outcome: str  # closed | failed | trainer_done | trainer_failed
+    published: int = 0  # refs this run appended
+    acked_items: int = 0
+    reason: str | None = None
+    peak_in_flight: int = 0  # refs published but not consumed, at most, as the publisher saw it
+
+
+@dataclass
+class SpecForgePublisher:
+    api_url: str
+    job_id: str
+    channel_path: Path
+    store_root: Path
+    store_id: str
+    token: str | None = None
+    window: int = DEFAULT_WINDOW
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    poll_seconds: float = 0.5
+    verify_checksums: bool = True
+    timeout: float = 60.0
+    name: str = "specforge-publisher"
+    should_stop: Callable[[], bool] = field(default=lambda: False)
+    # Where features go; default: SharedDirFeatureStore's layout under store_root/store_id.
+    sink: layout.FeatureSink | None = None
+
+    def __post_init__(self) -> None:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self._http = httpx.Client(base_url=self.api_url.rstrip("/"), headers=headers, timeout=self.timeout)
+        self.channel = layout.RefChannel(self.channel_path)
+        self.features = self.sink or layout.FeatureDir(self.store_root, self.store_id)
+        self.position = {ref["sample_id"]: n for n, ref in enumerate(self.channel.refs)}
+        self.held: dict[int, HeldItem] = {}
+        self.consumer_id = ""
+
+    # -- the API ------------------------------------------------------------------------------------------
+    def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        """One API call; a connection that fails (the API restarting) is tried again for a minute."""
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                resp = self._http.request(method, f"/jobs/{self.job_id}{path}", json=body)
+                break
+            except httpx.TransportError as exc:
+                if time.monotonic() > deadline:
+                    raise PublishError(f"{method} {path}: the API did not answer: {exc}") from exc
+                time.sleep(1.0)
+        if resp.status_code >= 400:
+            raise PublishError(f"{method} {path}: {resp.status_code} {resp.text[:500]}")
+        return resp.json() if resp.content else None
+
+    def _register(self) -> None:
+        previous = self.channel.read_sidecar(layout.HSX_CONSUMER)
+        if previous:
+            # A publisher of this channel stopped without finishing: its shards go back to the queue now
+            # rather than after its lease (an hour by default); a consumer already gone is fine.
+            try:
+                self._call("DELETE", f"/consumers/{previous}")
+            except PublishError as exc:
+                log.info("previous publisher consumer %s not closed: %s", previous, exc)
+        body = {"name": self.name, "lease_seconds": self.lease_seconds}
+        self.consumer_id = str(self._call("POST", "/consumers", body)["id"])
+        self.channel.write_sidecar(layout.HSX_CONSUMER, self.consumer_id)
+
+    def _manifest(self) -> tuple[Manifest, dict[str, Any]] | str:
+        """The job's layout once a worker has started it, or why it never will."""
+        while True:
+            doc = self._call("GET", "")
+            if doc["state"] in ("failed", "cancelled"):
+                return _broken(self.job_id, doc["state"], doc.get("error"))
+            if doc.get("engine"):
+                return manifest_for(doc), doc["engine"]
+            if self.should_stop():
+                return "publisher stopped before the job started"
+            time.sleep(self.poll_seconds)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def run(self) -> PublishResult:
+        self._check_channel()
+        self._register()
+        started = self._manifest()
+        if isinstance(started, str):
+            self.channel.fail(started)
+            self._leave()
+            return PublishResult("failed", reason=started)
+        manifest, engine = started
+        if manifest.final_state == "pre":
+            reason = (
+                "SpecForge's EAGLE-3 trainer takes the post-norm final state as its target; this job "
+                "captured only the pre-norm one (final_state 'pre')"
+            )
+            self.channel.fail(reason)
+            self._leave()
+            return PublishResult("failed", reason=reason)
+        meta = {
+            "hsx_job": self.job_id,
+            "target_model_version": str(engine.get("model_path", "unknown")),
+            "tokenizer_version": str((engine.get("tokenizer") or {}).get("sha256", "unknown")),
+        }
+        result = PublishResult("closed")
+        try:
+            self._loop(manifest, meta, result)
+        except BaseException as exc:
+            # The trainer must not take a broken publisher for the end of its data.
+            if not isinstance(exc, KeyboardInterrupt):
+                self.channel.fail(f"hsx publisher failed: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self._leave()
+        return result
+
+    def _loop(self, manifest: Manifest, meta: dict[str, Any], result: PublishResult) -> None:
+        bf16 = manifest.dtype == "BF16"
+        leased_all = False  # the job succeeded and every shard was leased to us (and published) at least once
+        while True:
+            stopped = self.channel.consumer_stopped()
+            if stopped is not None:
+                result.outcome = "trainer_done" if stopped == "done" else "trainer_failed"
+                result.reason = None if stopped == "done" else stopped
+                return
+            consumed = self.channel.consumed()
+            result.acked_items += self._settle(consumed)
+            in_flight = self.channel.published - consumed
+            result.peak_in_flight = max(result.peak_in_flight, in_flight)
+            if leased_all:
+                if not self.held:
+                    return
+            elif in_flight < max(self.window, self.channel.quantum()) and not self.should_stop():
+                answer = self._call("POST", f"/consumers/{self.consumer_id}/leases", {"max_items": 1})
+                if answer["job_state"] in ("failed", "cancelled"):
+                    reason = _broken(self.job_id, answer["job_state"], answer.get("error"))
+                    self.channel.fail(reason)
+                    result.outcome, result.reason = "failed", reason
+                    return
+                for item in answer["items"]:
+                    result.published += self._publish_item(item, manifest, bf16, meta)
+                if answer["end_of_stream"] and not answer["items"]:
+                    leased_all = True
+                    if not self.channel.is_closed():
+                        self.channel.close()
+                if answer["items"]:
+                    continue
+            elif not leased_all:
+                # The window is full, so no lease call would tell us the job broke: ask it.
+                ended = self._ended()
+                if ended is not None:
+                    self.channel.fail(ended)
+                    result.outcome, result.reason = "failed", ended
+                    return
+            if self.should_stop():
+                result.outcome, result.reason = "stopped", "publisher asked to stop"
+                return
+            time.sleep(self.poll_seconds)
+
+    def _ended(self) -> str | None:
+        doc = self._call("GET", "")
+        return (
+            _broken(self.job_id, doc["state"], doc.get("error"))
+            if doc["state"] in ("failed", "cancelled")
+            else None
+        )
+
+    def _publish_item(
+        self, item: dict[str, Any], manifest: Manifest, bf16: bool, meta: dict[str, Any]
+    ) -> int:
+        item_id, delivery = int(item["id"]), int(item["delivery"])
+        if item_id in self.held:  # our own lease ran out and came back: the samples are out already
+            self.held[item_id].delivery = delivery
+            return 0
+        refs: list[dict[str, Any]] = []
+        sample_ids: list[str] = []
+        consumed = self.channel.consumed()
+        for sample in item_samples(item, manifest, self.verify_checksums, raw_bf16=bf16):
+            sid = layout.sample_id(self.job_id, sample.index)
+            sample_ids.append(sid)
+            if sid in self.position:  # published before a restart
+                if self.position[sid] >= consumed and not self.features.exists(sid):
+                    # Mooncake: the objects went with the old publisher's memory segment; put them again.
+                    self.features.write(sid, layout.eagle3_tensors(sample, bf16))
+                continue
+            tensors = layout.eagle3_tensors(sample, bf16)
+            self.features.write(sid, tensors)
+            sample_meta = {**meta, "hsx_sample": sample.index, "hsx_unit": int(item["unit_index"])}
+            refs.append(layout.sample_ref(sid, self.features, tensors, self.job_id, sample_meta))
+        self.features.sync()  # the files' renames are durable before any ref names them
+        first = self.channel.published
+        self.channel.publish(refs)
+        for n, ref in enumerate(refs):
+            self.position[ref["sample_id"]] = first + n
+        self.held[item_id] = HeldItem(item_id, delivery, sample_ids)
+        return len(refs)
+
+    def _done_with(self, sid: str, consumed: int) -> bool:
+        """The trainer has counted the sample consumed, or released (deleted) its features."""
+        return self.position[sid] < consumed or not self.features.exists(sid)
+
+    def _settle(self, consumed: int) -> int:
+        """Acknowledge the held shards the trainer is done with; returns how many hsx took."""
+        done = [h for h in self.held.values() if all(self._done_with(s, consumed) for s in h.sample_ids)]
+        if not done:
+            return 0
+        body = {"items": [{"id": h.item_id, "delivery": h.delivery} for h in done]}
+        answer = self._call("POST", f"/consumers/{self.consumer_id}/acks", body)
+        for refused in answer.get("refused", []):
+            log.warning("hsx refused the acknowledgement of item %s: %s", refused["id"], refused["reason"])
+        for h in done:
+            # Acknowledged (or no longer ours): the trainer counted these consumed, so a copy its store
+            # retained is garbage now.
+            for sid in h.sample_ids:
+                self.features.remove(sid)
+            del self.held[h.item_id]
+        return len(answer.get("acked", []))
+
+    def _check_channel(self) -> None:
+        for ref in self.channel.refs[:1]:
+            owner = (ref.get("metadata") or {}).get("hsx_job")
+            if owner != self.job_id:
+                raise PublishError(f"{self.channel_path} carries job {owner}'s refs, not {self.job_id}'s")
+        failure = self.channel.read_sidecar(layout.FAILED)
+        if failure is not None:
+            raise PublishError(f"{self.channel_path} has failed already ({failure}); use a fresh channel")
+
+    def _leave(self) -> None:
+        """Hand back what is still leased (the trainer stopped, or the job ended) and close the client."""
+        try:
+            if self.consumer_id:
+                self._call("DELETE", f"/consumers/{self.consumer_id}")
+        except PublishError as exc:
+            log.warning("could not close hsx consumer %s: %s", self.consumer_id, exc)
+        finally:
+            self._http.close()
+            self.features.close()
+
+
+def _broken(job_id: str, state: str, error: str | None) -> str:
+    """The reason the trainer raises with: SpecForge puts it in its "producer failed" error."""
+    return f"hsx job {job_id} {state}: {error or 'no reason given'}"

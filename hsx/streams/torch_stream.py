@@ -1,0 +1,155 @@
+"""``JobStream``: a ``torch.utils.data.IterableDataset`` that follows a running job through the API.
+
+Every DataLoader worker of every rank registers a consumer of the job and leases one shard at a time; the
+API hands each shard to one lease holder, so ranks and workers split the job between them with no sample
+twice, whatever their number. Samples carry a ``stream_ref``; after ``optimizer.step()`` the training loop
+calls :meth:`JobStream.ack` with the batch, and a shard is acknowledged (and, in ``consume`` retention,
+deleted) once all its samples have been acknowledged. Iteration ends when the job has succeeded and every
+shard is acknowledged or leased to this stream's group (its DataLoader workers; pass the same ``group`` to
+every rank of a run); it raises :class:`JobStreamError` when the job failed or was cancelled,
+so a trainer never takes a failed job for the end of its data.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import httpx
+from torch.utils.data import IterableDataset, get_worker_info
+
+from hsx.manifest import Manifest
+from hsx.streams.reader import item_samples, manifest_for
+
+Item = dict[str, Any]
+# (consumer id, item id, delivery, samples in the item): what an acknowledgement needs of a sample.
+StreamRef = tuple[str, int, int, int]
+
+
+class JobStreamError(RuntimeError):
+    """The job failed or was cancelled (or the API refused the stream): the data did not end, it broke."""
+
+
+class JobStream(IterableDataset[Item]):
+    def __init__(
+        self,
+        api_url: str,
+        job_id: str,
+        *,
+        token: str | None = None,
+        name: str = "trainer",
+        group: str | None = None,
+        rank: int | None = None,
+        lease_seconds: float | None = None,
+        poll_seconds: float = 0.5,
+        verify_checksums: bool = True,
+        timeout: float = 60.0,
+    ) -> None:
+        super().__init__()
+        self.api_url = api_url.rstrip("/")
+        self.job_id = job_id
+        self.token = token if token is not None else os.environ.get("HSX_API_TOKEN", "")
+        self.name = name
+        # Made here, in the process that builds the dataset, so every DataLoader worker shares it; give all
+        # ranks of one run the same group, or a rank ends while another still holds shards.
+        self.group = group or f"{name}-{uuid.uuid4().hex[:12]}"
+        self.rank = rank if rank is not None else _distributed_rank()
+        self.lease_seconds = lease_seconds
+        self.poll_seconds = poll_seconds
+        self.verify_checksums = verify_checksums
+        self.timeout = timeout
+        # In the process that calls ack(): samples still to acknowledge per delivery.
+        self._pending: dict[tuple[str, int, int], int] = {}
+        self._client: httpx.Client | None = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_client=None, _pid=-1, _pending={})
+        return state
+
+    def _http(self) -> httpx.Client:
+        if self._client is None or self._pid != os.getpid():
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            self._client = httpx.Client(base_url=self.api_url, headers=headers, timeout=self.timeout)
+            self._pid = os.getpid()
+        return self._client
+
+    def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        resp = self._http().request(method, f"/jobs/{self.job_id}{path}", json=body)
+        if resp.status_code >= 400:
+            raise JobStreamError(f"{method} {path}: {resp.status_code} {resp.text[:500]}")
+        return resp.json() if resp.content else None
+
+    def _manifest(self) -> Manifest:
+        """The job's layout, once it has started (its engine record is set when a worker starts it)."""
+        while True:
+            doc = self._call("GET", "")
+            if doc["state"] in ("failed", "cancelled"):
+                raise JobStreamError(f"job {self.job_id} is {doc['state']}: {doc.get('error')}")
+            if doc.get("engine"):
+                return manifest_for(doc)
+            time.sleep(self.poll_seconds)
+
+    def __iter__(self) -> Iterator[Item]:
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        body: dict[str, Any] = {"name": f"{self.name}-rank{self.rank}-worker{worker}", "group": self.group}
+        if self.lease_seconds is not None:
+            body["lease_seconds"] = self.lease_seconds
+        consumer = self._call("POST", "/consumers", body)["id"]
+        manifest = self._manifest()
+        while True:
+            answer = self._call("POST", f"/consumers/{consumer}/leases", {"max_items": 1})
+            if answer["job_state"] in ("failed", "cancelled"):
+                raise JobStreamError(f"job {self.job_id} is {answer['job_state']}: {answer.get('error')}")
+            for item in answer["items"]:
+                ref: StreamRef = (consumer, int(item["id"]), int(item["delivery"]), int(item["samples"]))
+                for sample in item_samples(item, manifest, self.verify_checksums, raw_bf16=True):
+                    out = _sample_item(sample, manifest.dtype == "BF16")
+                    out["stream_ref"] = ref
+                    yield out
+            if answer["end_of_stream"]:
+                return
+            if not answer["items"]:
+                time.sleep(self.poll_seconds)
+
+    def ack(self, batch: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> int:
+        """Acknowledge a batch (a :func:`collate_samples` batch, or a list of samples) once the optimizer
+        has stepped on it. Returns how many shards this call acknowledged."""
+        refs: list[StreamRef] = (
+            list(batch["stream_ref"])
+            if isinstance(batch, Mapping)
+            else [sample["stream_ref"] for sample in batch]
+        )
+        complete: dict[str, list[dict[str, int]]] = {}
+        for consumer, item_id, delivery, samples in refs:
+            key = (consumer, int(item_id), int(delivery))
+            left = self._pending.get(key, int(samples)) - 1
+            if left > 0:
+                self._pending[key] = left
+                continue
+            self._pending.pop(key, None)
+            complete.setdefault(consumer, []).append({"id": key[1], "delivery": key[2]})
+        acked = 0
+        for consumer, items in complete.items():
+            answer = self._call("POST", f"/consumers/{consumer}/acks", {"items": items})
+            acked += len(answer["acked"])
+        return acked
+
+
+def _sample_item(sample: Any, bf16: bool) -> Item:
+    from hsx.torch_data import sample_item
+
+    return sample_item(sample, bf16)
+
+
+def _distributed_rank() -> int:
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return 0

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Issue 18 on the lent H200, one shape per device call (run from the repository root):
+#   carry: [".sglang-bundle", ".whl", ".device"]
+#   command: HIDDEN=4096 bash scripts/device/run_bench_fp8.sh      (8B-shaped Llama: 32 layers, hidden 4096)
+#            HIDDEN=7168 bash scripts/device/run_bench_fp8.sh      (the 8B Llama widened to 7168, 16 layers)
+#            MODE=error bash scripts/device/run_bench_fp8.sh       (fp8 error table on the 8B-shaped model)
+# With STREAM=1 (the default) the bench mode then runs `hsx bench stream` on the same engine:
+#   $OUT/bench_stream.json.
+# Needs what run_bench_e2e.sh needs (.sglang-bundle, .whl, .device/redis-server.xz; docs/sglang.md).
+# MODE=bench (default): starts the patched SGLang engine (radix cache off, dummy weights: the speed does not
+#   depend on their values) and runs `hsx bench fp8 --engine-url`: the same dataset as a bf16 job and as an
+#   fp8 job, ABBA over ROUNDS, to the local disk; bytes written, job tok/s, ratios. $OUT/bench_fp8.json.
+# MODE=error: writes a random-init 8B-shaped Llama (real bf16 weights, scripts/device/make_llama.py) and runs
+#   bench/fp8_error.py on random-token prompts on the GPU: per-token cosine / relative L2 of fp8 states vs the
+#   bf16 states, per tensor, per-tensor vs shared scales. $OUT/fp8_error.txt and $OUT/fp8_error.json.
+set -u
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+R=$(pwd)
+OUT=${OUT:-/tmp/hsx-bench-out}
+mkdir -p "$OUT/logs"
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/steps.log"; }
+MODE=${MODE:-bench}
+HIDDEN=${HIDDEN:-7168}
+PROCESSES=${PROCESSES:-8}
+CONCURRENCY=${CONCURRENCY:-8}
+SAMPLES=${SAMPLES:-256}
+ROUNDS=${ROUNDS:-1}
+DEADLINE=${DEADLINE:-570}
+export HSX_SGLANG_WRITER_THREADS=${WRITERS:-8}
+
+source .sglang-bundle/install-on-device.sh .sglang-bundle > "$OUT/logs/install.log" 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/hsx-site .whl/*.whl >> "$OUT/logs/install.log" 2>&1
+export PYTHONPATH="$R:/tmp/hsx-site:${PYTHONPATH:-}"
+say "installed; $(nproc) cores"
+
+if [ "$MODE" = error ]; then
+  MODEL=/tmp/m8b-real
+  [ -f $MODEL/config.json ] || python3 scripts/device/make_llama.py 8b $MODEL >> "$OUT/steps.log" 2>&1
+  say "model ready"
+  timeout $(( DEADLINE - ($(date +%s) - T0) - 10 )) python3 bench/fp8_error.py --model $MODEL --random-tokens \
+    --prompts ${PROMPTS:-32} --length ${LENGTH:-1024} 2> "$OUT/logs/fp8_error.log" | tee "$OUT/fp8_error.txt"
+  say "fp8_error exit ${PIPESTATUS[0]}"
+  tail -n 1 "$OUT/fp8_error.txt" > "$OUT/fp8_error.json"
+  tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+  exit 0
+fi
+
+mkdir -p /tmp/hsx-bin && xz -dc .device/redis-server.xz > /tmp/hsx-bin/redis-server && chmod +x /tmp/hsx-bin/redis-server
+export PATH="/tmp/hsx-bin:$PATH"
+MODEL=/tmp/llama-h$HIDDEN
+if [ ! -f $MODEL/config.json ]; then
+  python3 - "$MODEL" "$HIDDEN" <<'PY'
+import sys
+from transformers import LlamaConfig
+hidden = int(sys.argv[2])
+shape = {4096: dict(intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+         7168: dict(intermediate_size=18432, num_hidden_layers=16, num_attention_heads=56)}[hidden]
+LlamaConfig(vocab_size=128256, hidden_size=hidden, num_key_value_heads=8, max_position_embeddings=8192,
+            rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+            architectures=["LlamaForCausalLM"], **shape).save_pretrained(sys.argv[1])
+PY
+fi
+say "model config ready (hidden $HIDDEN)"
+setsid python3 -m workers.engines.sglang.launcher --model-path $MODEL --port 30000 --dump-dir /dev/shm/hsx-dumps \
+  --attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-cuda-graph \
+  --disable-radix-cache --skip-tokenizer-init --load-format dummy --writer-threads "$HSX_SGLANG_WRITER_THREADS" \
+  > "$OUT/logs/server.log" 2>&1 &
+SERVER=$!
+for i in $(seq 1 300); do
+  kill -0 $SERVER 2> /dev/null || break
+  curl -sf localhost:30000/health > /dev/null 2>&1 && curl -sf localhost:30000/hsx/info > /dev/null && break
+  sleep 1
+done
+curl -sf localhost:30000/hsx/info > "$OUT/logs/info.json" || { say "engine failed"; tail -40 "$OUT/logs/server.log"; exit 1; }
+say "engine up"
+(vmstat -t 1 > "$OUT/logs/vmstat.txt" 2>&1 &)
+LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
+timeout $(( LEFT - 15 )) python3 -m hsx.cli bench fp8 --engine-url http://127.0.0.1:30000 --vocab 128256 \
+  --samples "$SAMPLES" --tokens 1024 --processes "$PROCESSES" --concurrency "$CONCURRENCY" \
+  --samples-per-shard $(( SAMPLES / PROCESSES < 32 ? SAMPLES / PROCESSES : 32 )) --rounds "$ROUNDS" \
+  2> "$OUT/logs/bench_fp8.h$HIDDEN.log" | tee "$OUT/logs/bench_fp8.h$HIDDEN.txt"
+say "bench exit ${PIPESTATUS[0]}"
+tail -n 1 "$OUT/logs/bench_fp8.h$HIDDEN.txt" >> "$OUT/bench_fp8.json"
+# Issue 17 on the same engine: `hsx bench stream` (a consume job under a cap of a tenth of its output, drained
+# by a consumer, vs the same job kept). Many small units, so that the cap holds ten or more of them.
+if [ "${STREAM:-1}" = 1 ]; then
+  LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
+  timeout $(( LEFT - 15 )) python3 -m hsx.cli bench stream --engine-url http://127.0.0.1:30000 --vocab 128256 \
+    --samples "${STREAM_SAMPLES:-1024}" --tokens "${STREAM_TOKENS:-512}" --samples-per-shard 8 \
+    --processes "$PROCESSES" --concurrency "$CONCURRENCY" \
+    2> "$OUT/logs/bench_stream.h$HIDDEN.log" | tee "$OUT/logs/bench_stream.h$HIDDEN.txt"
+  say "stream bench exit ${PIPESTATUS[0]}"
+  tail -n 1 "$OUT/logs/bench_stream.h$HIDDEN.txt" >> "$OUT/bench_stream.json"
+fi
+kill -TERM -- -"$SERVER" 2> /dev/null
+pkill -x vmstat 2> /dev/null
+tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"

@@ -1,0 +1,184 @@
+"""Faults while a consume job streams, with real processes: a consumer SIGKILLed while it holds a lease
+(its shard comes back to another consumer; among acknowledged samples none is lost or repeated), an hsx
+worker killed while consumers read (the job finishes, nothing lost or repeated), a consumer that never
+comes back (the job waits, says so, and deletes nothing unacknowledged). The cap holds throughout: the
+buffered bytes are sampled from the job table the whole time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.live_server import serve_in_thread
+from tests.fixtures.stack import REPO, TEST_TOKEN, Stack, make_stack
+from tests.fixtures.synthetic import Engines, Synthetic, write_pretokenized
+
+pytestmark = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+SAMPLES = 16
+
+
+@pytest.fixture
+def synth(
+    db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Stack, Synthetic]]:
+    from hsx.settings import get_settings
+
+    engine = engines.start()
+    stack = make_stack(db_url, redis_url, engine.url, tmp_path, monkeypatch, stream_room_wait_seconds="2")
+    try:
+        yield stack, engine
+    finally:
+        stack.stop_workers()
+        get_settings.cache_clear()
+
+
+class BufferWatch(threading.Thread):
+    """The peak of committed-but-unacknowledged bytes plus units in flight, from the job table."""
+
+    def __init__(self, db_url: str, job_id: str) -> None:
+        super().__init__(daemon=True)
+        self.db_url, self.job_id, self.peak = db_url, job_id, 0
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        from hsx.db.session import session_scope
+        from hsx.streams import repository
+
+        while not self.stopped.wait(0.05):
+            with session_scope(self.db_url) as session:
+                held = repository.buffered_bytes(session, self.job_id)
+            self.peak = max(self.peak, held)
+
+
+def start_consumer(stack: Stack, api: str, job_id: str, record: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.fixtures.stream_consumer", api, job_id, TEST_TOKEN, str(record), *args],
+        cwd=REPO,
+        env={**os.environ, **stack.env, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=(stack.tmp / f"{record.stem}.err").open("a"),
+        text=True,
+        start_new_session=True,
+    )
+
+
+def acked_samples(*records: Path) -> list[int]:
+    return [i for r in records if r.exists() for line in r.read_text().splitlines() for i in json.loads(line)]
+
+
+def consume_job(stack: Stack, spp: int = 2, units_under_cap: float = 2.5) -> tuple[str, int]:
+    """A consume job whose cap holds about ``units_under_cap`` of its units."""
+    data = write_pretokenized(stack.tmp / "d.jsonl", [48] * SAMPLES)
+    unit = 2 * 48 * 4 * 32 * 2 * spp // 2  # a shard's states, roughly: enough to scale the cap by
+    cap = int(unit * units_under_cap)
+    return stack.submit(data, samples_per_shard=spp, retention="consume", buffer_cap_bytes=cap)["id"], cap
+
+
+def largest_shard(stack: Stack, job_id: str) -> int:
+    return max(s["bytes"] for s in stack.client.get(f"/jobs/{job_id}/shards").json()["items"])
+
+
+def test_a_consumer_killed_holding_a_lease_loses_nothing_and_repeats_nothing(
+    synth: tuple[Stack, Synthetic],
+) -> None:
+    from app.main import create_app
+
+    stack, _engine = synth
+    job_id, cap = consume_job(stack)
+    watch = BufferWatch(stack.env["HSX_DATABASE_URL"], job_id)
+    watch.start()
+    stack.start_worker()
+    first, second = stack.tmp / "first.jsonl", stack.tmp / "second.jsonl"
+    with serve_in_thread(create_app()) as api:
+        doomed = start_consumer(stack, api, job_id, first, "--hold-after", "2", "--lease-seconds", "2")
+        assert doomed.stdout is not None
+        held = json.loads(doomed.stdout.readline())["holding"]
+        os.killpg(doomed.pid, signal.SIGKILL)
+        doomed.wait()
+        survivor = start_consumer(stack, api, job_id, second)
+        assert survivor.wait(180) == 0, stack.logs()
+    watch.stopped.set()
+    doc = stack.job(job_id)
+    assert doc["state"] == "succeeded", (doc, stack.logs())
+    samples = acked_samples(first, second)
+    assert len(acked_samples(first)) == 4  # two shards acknowledged before the kill
+    assert sorted(samples) == list(range(SAMPLES)), samples  # none lost, none twice
+    items = stack.client.get(f"/jobs/{job_id}/consumers").json()["items"]
+    assert sum(c["items_acked"] for c in items) == doc["shards"]["total"] == SAMPLES // 2
+    assert held  # the shard the killed consumer held went to the survivor after its lease ran out
+    assert watch.peak <= cap + largest_shard(stack, job_id), (watch.peak, cap)
+    assert not list(Path(doc["output_dir"]).glob("shard-*.safetensors"))
+
+
+def test_a_worker_killed_while_consumers_read_loses_nothing(synth: tuple[Stack, Synthetic]) -> None:
+    from app.main import create_app
+
+    stack, _engine = synth
+    job_id, cap = consume_job(stack)
+    watch = BufferWatch(stack.env["HSX_DATABASE_URL"], job_id)
+    watch.start()
+    worker = stack.start_worker()
+    record = stack.tmp / "acked.jsonl"
+    with serve_in_thread(create_app()) as api:
+        reader = start_consumer(stack, api, job_id, record)
+        deadline = time.monotonic() + 120
+        while len(acked_samples(record)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(worker.pid, signal.SIGKILL)  # the worker and its work horse, mid-job
+        worker.wait()
+        stack.start_worker()
+        assert reader.wait(180) == 0, stack.logs()
+    watch.stopped.set()
+    doc = stack.job(job_id)
+    assert doc["state"] == "succeeded", (doc, stack.logs())
+    assert sorted(acked_samples(record)) == list(range(SAMPLES))
+    assert watch.peak <= cap + largest_shard(stack, job_id), (watch.peak, cap)
+
+
+def test_a_consumer_that_never_returns_holds_the_job_and_nothing_unacknowledged_is_deleted(
+    synth: tuple[Stack, Synthetic],
+) -> None:
+    from app.main import create_app
+
+    stack, _engine = synth
+    job_id, cap = consume_job(stack)
+    stack.start_worker()
+    with serve_in_thread(create_app()) as api:
+        hung = start_consumer(stack, api, job_id, stack.tmp / "hung.jsonl", "--hold-after", "1")
+        assert hung.stdout is not None
+        json.loads(hung.stdout.readline())
+        doc: dict[str, Any] = {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            doc = stack.job(job_id)
+            if doc["stream"]["waiting_on_consumers"] and doc["stream"]["in_flight_bytes"] == 0:
+                break
+            time.sleep(0.2)
+        time.sleep(3)  # longer than a worker waits for room: it gave the job up, and nothing polls it
+        doc = stack.job(job_id)
+        time.sleep(3)
+        later = stack.job(job_id)
+        os.killpg(hung.pid, signal.SIGKILL)
+        hung.wait()
+    stream = later["stream"]
+    assert later["state"] == "running" and stream["waiting_on_consumers"] is True, later
+    assert later["progress"]["units_done"] == doc["progress"]["units_done"] < SAMPLES // 2
+    assert stream["buffered_bytes"] <= cap + largest_shard(stack, job_id)
+    assert stream["items_acked"] == 1 and stream["consumers"][0]["leased_items"] == 1
+    # Every committed shard not acknowledged is still there, the one the hung consumer holds included.
+    shards = stack.client.get(f"/jobs/{job_id}/shards").json()["items"]
+    on_disk = {s["path"] for s in shards if Path(s["path"]).exists()}
+    assert len(on_disk) == len(shards) - 1 and len(on_disk) >= 1
+    from hsx.jobs.queue import queued_wakeups
+
+    assert queued_wakeups(stack.settings, job_id) == 0

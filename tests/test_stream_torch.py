@@ -1,0 +1,92 @@
+"""``hsx.torch_data.JobStream`` follows a consume job through the real API while a real worker process
+runs it: DataLoader workers split the shards with no sample twice, the training loop acknowledges after
+each optimizer step (and the shards go), the stream ends when the job has succeeded, and a cancelled job
+raises instead of looking like the end of the data."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from tests.fixtures.live_server import serve_in_thread
+from tests.fixtures.stack import TEST_TOKEN, Stack, make_stack
+from tests.fixtures.synthetic import Engines, Synthetic, write_pretokenized
+
+postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+
+
+@pytest.fixture
+def synth(
+    db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Stack, Synthetic]]:
+    from hsx.settings import get_settings
+
+    engine = engines.start()
+    stack = make_stack(db_url, redis_url, engine.url, tmp_path, monkeypatch)
+    try:
+        yield stack, engine
+    finally:
+        stack.stop_workers()
+        get_settings.cache_clear()
+
+
+@postgres_only
+def test_dataloader_workers_split_a_running_job_and_ack_after_each_step(
+    synth: tuple[Stack, Synthetic],
+) -> None:
+    from app.main import create_app
+    from hsx.torch_data import JobStream, collate_samples
+
+    stack, _engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [48] * 12)
+    # About four shards' worth of cap for six shards: the job only finishes if the trainer acknowledges as
+    # it goes. (The cap must hold what the DataLoader prefetches: workers x prefetch_factor batches.)
+    job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=110_000)["id"]
+    stack.start_worker()
+    model = torch.nn.Linear(32, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen: list[int] = []
+    with serve_in_thread(create_app()) as api:
+        stream = JobStream(api, job_id, token=TEST_TOKEN, poll_seconds=0.1)
+        loader = DataLoader(
+            stream, batch_size=2, num_workers=2, prefetch_factor=1, collate_fn=collate_samples, timeout=120
+        )
+        for batch in loader:
+            loss = model(batch["hidden_state"].float()).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            stream.ack(batch)
+            seen += batch["index"].tolist()
+            shard_bytes = [s["bytes"] for s in stack.client.get(f"/jobs/{job_id}/shards").json()["items"]]
+    doc = stack.job(job_id)
+    assert doc["state"] == "succeeded", (doc, stack.logs())
+    assert sorted(seen) == list(range(12)), seen  # every sample once, across both DataLoader workers
+    stream_doc = doc["stream"]
+    assert stream_doc["items_acked"] == 6 and stream_doc["buffered_bytes"] == 0, stream_doc
+    assert {c["name"] for c in stream_doc["consumers"]} == {"trainer-rank0-worker0", "trainer-rank0-worker1"}
+    assert not list(Path(doc["output_dir"]).glob("shard-*.safetensors"))  # acknowledged, so deleted
+    assert 0 < max(shard_bytes) * 4 <= 110_000 < sum(shard_bytes), shard_bytes
+
+
+@postgres_only
+def test_a_cancelled_job_raises_rather_than_ending_the_stream(synth: tuple[Stack, Synthetic]) -> None:
+    from app.main import create_app
+    from hsx.torch_data import JobStream, JobStreamError
+
+    stack, _engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [48] * 8)
+    job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=1)["id"]
+    stack.start_worker()
+    with serve_in_thread(create_app()) as api:
+        samples = iter(JobStream(api, job_id, token=TEST_TOKEN, poll_seconds=0.1))
+        first = next(samples)
+        assert first["hidden_state"].shape[1] == 32
+        assert stack.client.post(f"/jobs/{job_id}/cancel").status_code == 200
+        with pytest.raises(JobStreamError, match="cancelled"):
+            for _ in samples:
+                pass

@@ -1,0 +1,267 @@
+"""A consume job feeds consumers while it runs: each committed shard is delivered to one consumer at a time,
+re-delivered when a lease runs out, never again once acknowledged (the table refuses it), deleted only once
+acknowledged; the byte cap holds the workers back until consumers acknowledge, and an acknowledgement wakes
+them through the queue.
+
+Real synthetic engine (a separate process), real PostgreSQL/SQLite and Redis; the job runner runs in this
+process as a work horse would, the API through its real app."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.stack import Stack, make_stack
+from tests.fixtures.synthetic import Engines, Synthetic, write_pretokenized
+
+
+@pytest.fixture
+def synth(
+    db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Stack, Synthetic]]:
+    from hsx.settings import get_settings
+
+    engine = engines.start()
+    stack = make_stack(db_url, redis_url, engine.url, tmp_path, monkeypatch, heartbeat_seconds="0.2")
+    try:
+        yield stack, engine
+    finally:
+        stack.stop_workers()
+        get_settings.cache_clear()
+
+
+def run_worker(url: str, job_id: str, wait: float = 0) -> Any:
+    from hsx.settings import get_settings
+    from workers.job_runner import JobRunner
+
+    settings = get_settings().model_copy(update={"engine_url": url, "stream_room_wait_seconds": wait})
+    return JobRunner(job_id, settings).run()
+
+
+def consumer(stack: Stack, job_id: str, **body: Any) -> str:
+    resp = stack.client.post(f"/jobs/{job_id}/consumers", json=body)
+    assert resp.status_code == 201, resp.text
+    assert resp.headers["Location"] == f"/jobs/{job_id}/consumers/{resp.json()['id']}"
+    return str(resp.json()["id"])
+
+
+def lease(stack: Stack, job_id: str, consumer_id: str, max_items: int = 10) -> dict[str, Any]:
+    resp = stack.client.post(f"/jobs/{job_id}/consumers/{consumer_id}/leases", json={"max_items": max_items})
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+def ack(stack: Stack, job_id: str, consumer_id: str, items: list[dict[str, Any]]) -> dict[str, Any]:
+    body = {"items": [{"id": i["id"], "delivery": i["delivery"]} for i in items]}
+    resp = stack.client.post(f"/jobs/{job_id}/consumers/{consumer_id}/acks", json=body)
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+def wakeups(stack: Stack, job_id: str) -> int:
+    from hsx.jobs.queue import queued_wakeups
+
+    return queued_wakeups(stack.settings, job_id)
+
+
+def drain_wakeups(stack: Stack) -> None:
+    from hsx.jobs.queue import queue_for
+
+    queue_for(stack.settings).empty()
+
+
+def test_a_consume_job_waits_at_its_cap_and_each_acknowledgement_lets_one_more_unit_in(
+    synth: tuple[Stack, Synthetic],
+) -> None:
+    from hsx.streams.reader import item_samples, manifest_for
+
+    stack, engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 5)
+    # A cap of one byte: one unit at a time, never none (a cap below one unit slows the job, never stops it).
+    job = stack.submit(data, samples_per_shard=1, retention="consume", buffer_cap_bytes=1)
+    job_id = job["id"]
+    assert job["options"]["retention"] == "consume" and job["options"]["buffer_cap_bytes"] == 1
+    reader = consumer(stack, job_id, name="rank0")
+    other = consumer(stack, job_id, name="rank1")
+    seen: list[int] = []
+    for round_number in range(5):
+        drain_wakeups(stack)
+        outcome = run_worker(engine.url, job_id)
+        doc = stack.job(job_id)
+        stream = doc["stream"]
+        if round_number < 4:
+            # One unit committed, the next one held back, and nothing queued to poll the job meanwhile.
+            assert not outcome.more_work and "waiting for consumers" in outcome.summary, outcome
+            assert doc["state"] == "running" and stream["waiting_on_consumers"] is True, stream
+            assert wakeups(stack, job_id) == 0
+        else:
+            assert doc["state"] == "succeeded", doc
+        assert stream["cap_bytes"] == 1 and stream["items_acked"] == round_number
+        got = lease(stack, job_id, reader)
+        assert len(got["items"]) == 1 and got["end_of_stream"] is False, got
+        item = got["items"][0]
+        assert stream["buffered_bytes"] == item["bytes"] > 0
+        # The other consumer gets nothing: the one committed shard is leased.
+        assert lease(stack, job_id, other)["items"] == []
+        manifest = manifest_for(doc)
+        seen += [s.index for s in item_samples(item, manifest)]
+        assert Path(item["path"]).exists()
+        done = ack(stack, job_id, reader, [item])
+        assert done == {"acked": [item["id"]], "refused": [], "deleted": 1}
+        # Acknowledged data is deleted; the acknowledgement woke a worker through the queue.
+        assert not Path(item["path"]).exists()
+        if round_number < 4:
+            assert wakeups(stack, job_id) >= 1
+            assert stack.job(job_id)["stream"]["waiting_on_consumers"] is False
+    assert sorted(seen) == list(range(5))
+    end = lease(stack, job_id, other)
+    assert end["items"] == [] and end["end_of_stream"] is True and end["job_state"] == "succeeded"
+    listed = stack.client.get(f"/jobs/{job_id}/consumers").json()["items"]
+    assert [(c["name"], c["items_acked"], c["leased_items"]) for c in listed] == [
+        ("rank0", 5, 0),
+        ("rank1", 0, 0),
+    ]
+
+
+def test_a_lease_that_runs_out_goes_to_another_consumer_and_the_old_ack_is_refused(
+    synth: tuple[Stack, Synthetic],
+) -> None:
+    from sqlalchemy import update
+    from sqlalchemy.exc import IntegrityError
+
+    from hsx.db.session import session_scope
+    from hsx.streams.models import StreamItem
+
+    stack, engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 4)
+    job_id = stack.submit(data, samples_per_shard=2, retention="consume")["id"]
+    run_worker(engine.url, job_id)
+    assert stack.job(job_id)["state"] == "succeeded"
+    slow = consumer(stack, job_id, name="slow", lease_seconds=0.5)
+    fast = consumer(stack, job_id, name="fast")
+    first = lease(stack, job_id, slow, max_items=1)["items"]
+    assert [i["delivery"] for i in first] == [1]
+    taken = lease(stack, job_id, fast, max_items=10)["items"]
+    assert [i["unit_index"] for i in taken] == [1]  # the other is still leased
+    # The job has succeeded, but a shard another reader holds keeps the stream open for this one.
+    waiting = lease(stack, job_id, fast)
+    assert waiting["items"] == [] and waiting["end_of_stream"] is False, waiting
+    time.sleep(0.7)
+    again = lease(stack, job_id, fast, max_items=10)["items"]
+    assert [(i["id"], i["delivery"]) for i in again] == [(first[0]["id"], 2)]
+    # The first delivery's ack comes late: refused, the file stays for the delivery that holds it.
+    late = ack(stack, job_id, slow, first)
+    assert late["acked"] == [] and late["refused"][0]["id"] == first[0]["id"], late
+    assert Path(first[0]["path"]).exists()
+    assert ack(stack, job_id, fast, again + taken)["acked"] == sorted([first[0]["id"], taken[0]["id"]])
+    # Acknowledged is final: no lease hands it out again, and the table refuses any update that would.
+    assert lease(stack, job_id, slow)["items"] == []
+    assert ack(stack, job_id, fast, again)["refused"][0]["reason"] == "not leased to this consumer"
+    with pytest.raises(IntegrityError), session_scope(stack.env["HSX_DATABASE_URL"]) as session:
+        session.execute(
+            update(StreamItem)
+            .where(StreamItem.id == first[0]["id"])
+            .values(consumer_id=fast, lease_expires=1e12)
+        )
+    assert lease(stack, job_id, slow)["end_of_stream"] is True
+
+
+def test_a_keep_job_can_be_followed_and_its_acknowledged_shards_stay(synth: tuple[Stack, Synthetic]) -> None:
+    stack, engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 4)
+    job_id = stack.submit(data, samples_per_shard=2)["id"]
+    assert stack.job(job_id)["stream"] is None  # a keep job nobody reads shows no stream
+    run_worker(engine.url, job_id)
+    reader = consumer(stack, job_id)
+    items = lease(stack, job_id, reader)["items"]
+    assert len(items) == 2
+    assert ack(stack, job_id, reader, items)["deleted"] == 0
+    assert all(Path(i["path"]).exists() for i in items)
+    stream = stack.job(job_id)["stream"]
+    assert stream["retention"] == "keep" and stream["cap_bytes"] is None and stream["items_acked"] == 2
+    assert stream["waiting_on_consumers"] is False
+
+
+def test_stream_requests_that_cannot_be_served_get_a_reason(synth: tuple[Stack, Synthetic]) -> None:
+    stack, _engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 2)
+    refused = stack.client.post("/jobs", json={"dataset_uri": str(data), "options": {"retention": "drop"}})
+    assert refused.status_code == 422 and refused.json()["error"] == "invalid_request", refused.text
+    zero = stack.client.post(
+        "/jobs", json={"dataset_uri": str(data), "options": {"retention": "consume", "buffer_cap_bytes": 0}}
+    )
+    assert zero.status_code == 422, zero.text
+    job_id = stack.submit(data, retention="consume")["id"]
+    assert stack.job(job_id)["options"]["buffer_cap_bytes"] == stack.settings.stream_buffer_cap_bytes
+    missing = stack.client.post(f"/jobs/{job_id}/consumers/nope/leases", json={"max_items": 1})
+    assert missing.status_code == 404 and missing.json()["error"] == "consumer_not_found"
+    assert stack.client.post("/jobs/nope/consumers", json={}).status_code == 404
+    reader = consumer(stack, job_id)
+    empty = stack.client.post(f"/jobs/{job_id}/consumers/{reader}/acks", json={"items": []})
+    assert empty.status_code == 422
+    # A cancelled job says so to a consumer (never an end of stream), and takes no new consumer.
+    assert stack.client.post(f"/jobs/{job_id}/cancel").status_code == 200
+    told = lease(stack, job_id, reader)
+    assert told["job_state"] == "cancelled" and told["end_of_stream"] is False and told["error"]
+    late = stack.client.post(f"/jobs/{job_id}/consumers", json={})
+    assert late.status_code == 409 and late.json()["error"] == "job_not_streamable"
+    assert stack.client.delete(f"/jobs/{job_id}/consumers/{reader}").status_code == 204
+    assert stack.client.get(f"/jobs/{job_id}/consumers").json()["items"] == []
+
+
+def test_a_worker_at_the_cap_blocks_until_an_acknowledgement_then_goes_on(
+    synth: tuple[Stack, Synthetic],
+) -> None:
+    import threading
+
+    stack, engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 3)
+    job_id = stack.submit(data, samples_per_shard=1, retention="consume", buffer_cap_bytes=1)["id"]
+    reader = consumer(stack, job_id)
+    outcome: list[Any] = []
+    worker = threading.Thread(target=lambda: outcome.append(run_worker(engine.url, job_id, wait=30)))
+    started = time.monotonic()
+    worker.start()
+    acked = 0
+    while acked < 3 and time.monotonic() - started < 60:
+        items = lease(stack, job_id, reader)["items"]
+        if items:
+            time.sleep(0.3)  # the worker is held at the cap meanwhile
+            assert stack.job(job_id)["stream"]["in_flight_bytes"] == 0
+            acked += len(ack(stack, job_id, reader, items)["acked"])
+        else:
+            time.sleep(0.05)
+    worker.join(30)
+    # One wake-up, three units: the worker waited at the cap twice and went on at each acknowledgement.
+    assert acked == 3 and outcome and "no unit left" in outcome[0].summary, outcome
+    assert stack.job(job_id)["state"] == "succeeded"
+
+
+def test_a_file_an_acknowledgement_left_behind_goes_at_the_next_call_and_nothing_else_does(
+    synth: tuple[Stack, Synthetic], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hsx.db.session import session_scope
+    from hsx.settings import get_settings
+    from hsx.streams import repository
+
+    stack, engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 4)
+    job_id = stack.submit(data, samples_per_shard=2, retention="consume")["id"]
+    run_worker(engine.url, job_id)
+    reader = consumer(stack, job_id)
+    first, second = lease(stack, job_id, reader)["items"]
+    # The acknowledgement committed and the API died before it deleted the file.
+    with session_scope(stack.env["HSX_DATABASE_URL"]) as session:
+        assert repository.ack_item(session, job_id, reader, first["id"], first["delivery"], time.time()) > 0
+    assert Path(first["path"]).exists()
+    assert lease(stack, job_id, reader)["items"] == []
+    assert not Path(first["path"]).exists() and Path(second["path"]).exists()
+    # A store that gets its output only at finalize cannot take a consume job: refused, saying why.
+    monkeypatch.setenv("HSX_OUTPUT_URI", "s3://bucket/prefix")
+    get_settings.cache_clear()
+    refused = stack.client.post("/jobs", json={"dataset_uri": str(data), "options": {"retention": "consume"}})
+    assert refused.status_code == 400 and refused.json()["error"] == "consume_not_published", refused.text

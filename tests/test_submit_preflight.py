@@ -1,0 +1,111 @@
+"""Fail fast where the answer is known: with only an unfit engine configured, POST /jobs refuses the job with
+a 422 naming the preflight's failed checks, instead of queueing it to fail after HSX_NO_FIT_ENGINE_SECONDS.
+A fleet (HSX_ENGINE_FLEET=true), where other engines may join, keeps the wait, and the document says so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hsx.settings import get_settings
+from tests.fixtures.stack import REPO, Stack, make_stack
+
+SHORT = REPO / "tests" / "data" / "short_chats.jsonl"
+postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+
+
+def _nothing_queued(stack: Stack) -> None:
+    from hsx.jobs.queue import queue_for
+
+    assert stack.client.get("/jobs").json()["total"] == 0
+    assert queue_for(stack.settings).count == 0
+
+
+@postgres_only
+def test_a_prefix_cached_engine_is_refused_at_submit_naming_the_failed_checks(
+    db_url: str, redis_url: str, engine_cache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stack = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch)
+    for options in ({}, {"cache_namespace_per_request": True}):
+        refused = stack.client.post("/jobs", json={"dataset_uri": str(SHORT), "options": options})
+        assert refused.status_code == 422, refused.text
+        body = refused.json()
+        assert body["error"] == "engine_unfit", body
+        assert engine_cache.url in body["detail"] and "preflight" in body["detail"]
+        # The checks that failed, by name: the cache is on and the second prompt came back cached.
+        assert "prefix_cache: expected off" in body["detail"], body["detail"]
+        assert "prompt_b.cached_tokens: expected 0" in body["detail"], body["detail"]
+        assert "HSX_ENGINE_FLEET" in body["detail"]
+    _nothing_queued(stack)
+
+    monkeypatch.setenv("HSX_ENGINE_FLEET", "true")
+    get_settings.cache_clear()
+    queued = stack.submit(SHORT)
+    assert queued["state"] == "queued" and queued["engine_wait"].startswith("fleet"), queued
+    assert f"{stack.settings.no_fit_engine_seconds:g}s" in queued["engine_wait"]
+
+
+@postgres_only
+def test_a_fit_engine_passes_and_the_document_says_what_a_job_would_wait_for(stack: Stack) -> None:
+    job = stack.submit(SHORT)
+    assert job["state"] == "queued"
+    assert job["engine_wait"].startswith("single engine") and "refuses" in job["engine_wait"], job
+
+
+@postgres_only
+def test_a_server_that_is_no_hsx_engine_is_refused_unless_in_a_fleet(
+    db_url: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.fixtures.live_server import serve_in_thread
+
+    with serve_in_thread(_not_an_engine()) as url:
+        stack = make_stack(db_url, redis_url, url, tmp_path, monkeypatch)
+        refused = stack.client.post("/jobs", json={"dataset_uri": str(SHORT)})
+        assert (refused.status_code, refused.json()["error"]) == (422, "engine_unfit"), refused.text
+        assert "not an hsx engine" in refused.json()["detail"]
+        _nothing_queued(stack)
+        monkeypatch.setenv("HSX_ENGINE_FLEET", "true")
+        get_settings.cache_clear()
+        assert stack.submit(SHORT)["state"] == "queued"
+
+
+def test_an_engine_that_does_not_answer_is_no_reason_to_refuse(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hsx.db.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'hsx.sqlite3'}"
+    upgrade(url)
+    stack = make_stack(url, redis_url, "http://127.0.0.1:9", tmp_path, monkeypatch)
+    assert stack.submit(SHORT)["state"] == "queued"
+
+
+def _not_an_engine() -> Any:
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+@postgres_only
+def test_a_preflight_the_api_cannot_judge_refuses_nothing(
+    db_url: str, redis_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An API that does not see the engine's dump directory cannot read the preflight's dumps: that says
+    nothing about the engine, so the job is queued and its workers, which do see them, decide."""
+    from app.jobs import admission
+
+    blind = tmp_path / "not-the-engines-dumps"
+    blind.mkdir()
+    stack = make_stack(db_url, redis_url, engine_nocache.url, tmp_path, monkeypatch, dump_dir=str(blind))
+    monkeypatch.setattr(admission, "PREFLIGHT_DUMP_WAIT_SECONDS", 0.5)
+    assert stack.submit(SHORT)["state"] == "queued"
+    [(key, (_, result))] = [(k, v) for k, v in admission._results.items() if k[1] == str(blind)]
+    assert not result.refused and any(".dump" in failed for failed in result.failed), result
