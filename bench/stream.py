@@ -69,29 +69,61 @@ class Monitor(threading.Thread):
                 self.peak_buffered = max(self.peak_buffered, buffered)
 
 
-def consume(stack: Any, job_id: str, seen: list[int]) -> None:
-    """Lease, read whole, acknowledge, until the stream ends."""
-    from hsx.streams.reader import manifest_for, open_item
+def consume(stack: Any, job_id: str, seen: list[int], ranks: int) -> None:
+    """``ranks`` consumers of one group (a data-parallel trainer's ranks), each leasing one shard at a time,
+    reading it whole and acknowledging it, until the stream ends for all of them."""
+    from hsx.streams.reader import manifest_for
 
-    http, base = stack.http, f"{stack.api_url}/jobs/{job_id}"
-    consumer = http.post(f"{base}/consumers", json={"name": "bench"}).json()["id"]
-    manifest = None
-    while True:
-        answer = http.post(f"{base}/consumers/{consumer}/leases", json={"max_items": 1}).json()
-        if answer["job_state"] in ("failed", "cancelled"):
-            raise SystemExit(f"job {answer['job_state']}: {answer.get('error')}")
-        for item in answer["items"]:
-            if manifest is None:
-                manifest = manifest_for(stack.job(job_id))
-            view = open_item(item, manifest, verify=True)  # reads every byte (the sha256)
-            seen.extend(int(i) for i in view.indices)
-            del view
-            body = {"items": [{"id": item["id"], "delivery": item["delivery"]}]}
-            http.post(f"{base}/consumers/{consumer}/acks", json=body).raise_for_status()
-        if answer["end_of_stream"]:
-            return
-        if not answer["items"]:
-            time.sleep(0.02)
+    manifest = manifest_for(_started(stack, job_id))
+    failures: list[BaseException] = []
+    threads = [
+        threading.Thread(target=_rank, args=(stack, job_id, manifest, seen, rank, failures), daemon=True)
+        for rank in range(ranks)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise SystemExit(f"a consumer failed: {failures[0]!r}")
+
+
+def _started(stack: Any, job_id: str) -> dict[str, Any]:
+    while not (doc := stack.job(job_id)).get("engine"):
+        if doc["state"] in ("failed", "cancelled"):
+            raise SystemExit(f"job {doc['state']}: {doc.get('error')}")
+        time.sleep(0.05)
+    return dict(doc)
+
+
+def _rank(
+    stack: Any, job_id: str, manifest: Any, seen: list[int], rank: int, failures: list[BaseException]
+) -> None:
+    import httpx
+
+    from hsx.streams.reader import open_item
+
+    base = f"{stack.api_url}/jobs/{job_id}"
+    try:
+        with httpx.Client(timeout=60, headers=stack.http.headers) as http:
+            body = {"name": f"bench-rank{rank}", "group": "bench"}
+            consumer = http.post(f"{base}/consumers", json=body).json()["id"]
+            while True:
+                answer = http.post(f"{base}/consumers/{consumer}/leases", json={"max_items": 1}).json()
+                if answer["job_state"] in ("failed", "cancelled"):
+                    raise RuntimeError(f"job {answer['job_state']}: {answer.get('error')}")
+                for item in answer["items"]:
+                    view = open_item(item, manifest, verify=True)  # reads every byte (the sha256)
+                    seen.extend(int(i) for i in view.indices)
+                    del view
+                    acks = {"items": [{"id": item["id"], "delivery": item["delivery"]}]}
+                    http.post(f"{base}/consumers/{consumer}/acks", json=acks).raise_for_status()
+                if answer["end_of_stream"]:
+                    return
+                if not answer["items"]:
+                    time.sleep(0.02)
+    except BaseException as exc:  # noqa: BLE001 - reported by consume()
+        failures.append(exc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=2, help="worker processes")
     parser.add_argument("--concurrency", type=int, default=4, help="prefills in flight per worker process")
     parser.add_argument("--database-url")
+    parser.add_argument(
+        "--consumers", type=int, default=4, help="consumers of one group, as a data-parallel trainer's ranks"
+    )
     parser.add_argument("--engine-url", help="a running engine (default: start a synthetic one)")
     parser.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     args = parser.parse_args(argv)
@@ -138,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         monitor = Monitor(out / job_id, stack.env["HSX_DATABASE_URL"], job_id)
         monitor.start()
         seen: list[int] = []
-        consume(stack, job_id, seen)
+        consume(stack, job_id, seen, args.consumers)
         doc = stack.wait(job_id, timeout=3600)
         monitor.stopped.set()
         monitor.join()
@@ -152,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": total,
             "hidden_size": args.hidden_size,
             "processes": args.processes,
+            "consumers": args.consumers,
             "job_tok_s": round(job),
             "keep_tok_s": round(keep_rate),
             "ratio": round(job / keep_rate, 3),

@@ -203,7 +203,7 @@ def test_metrics_need_the_token(stack: Stack) -> None:
 def test_failed_wakeups_count_only_what_really_failed(stack: Stack) -> None:
     """A work horse killed mid-unit leaves its wake-up in RQ's failed registry, yet nothing failed: the
     unit is run again and the job succeeds. Only a wake-up whose function raised counts as failed."""
-    from hsx.jobs.queue import RUN_UNIT, queue_for
+    from hsx.jobs.queue import EXTRACTION_TASK, queue_for
 
     job = stack.submit(SAMPLE, samples_per_shard=2)
     crash = {"HSX_CRASH_AT": "mid_unit", "HSX_CRASH_ONCE_FILE": str(stack.tmp / "crashed")}
@@ -215,7 +215,7 @@ def test_failed_wakeups_count_only_what_really_failed(stack: Stack) -> None:
     assert killed >= 1, "RQ filed the killed horse's wake-up as failed"
     m = scrape(stack)
     assert value(m, "hsx_queue_failed") == 0 and value(m, "hsx_queue_interrupted") == killed
-    queue.enqueue(RUN_UNIT)  # no job id: the function raises TypeError, a real failure
+    queue.enqueue(EXTRACTION_TASK)  # no job id: the function raises TypeError, a real failure
     assert stack.run_burst(timeout=240) == 0, stack.logs()
     m = scrape(stack)
     assert value(m, "hsx_queue_failed") == 1 and value(m, "hsx_queue_interrupted") == killed
