@@ -5,7 +5,8 @@
 #            HIDDEN=7168 bash scripts/device/run_bench_fp8.sh      (the 8B Llama widened to 7168, 16 layers)
 #            MODE=error bash scripts/device/run_bench_fp8.sh       (fp8 error table on the 8B-shaped model)
 # With STREAM=1 (the default) the bench mode then runs `hsx bench stream` on the same engine:
-#   $OUT/bench_stream.json.
+#   $OUT/bench_stream.json (STREAM_SAMPLES, STREAM_TOKENS, STREAM_SAMPLES_PER_SHARD, STREAM_CONSUMERS);
+#   FP8=0 skips the fp8 bench.
 # Needs what run_bench_e2e.sh needs (.sglang-bundle, .whl, .device/redis-server.xz; docs/sglang.md).
 # MODE=bench (default): starts the patched SGLang engine (radix cache off, dummy weights: the speed does not
 #   depend on their values) and runs `hsx bench fp8 --engine-url`: the same dataset as a bf16 job and as an
@@ -75,6 +76,7 @@ done
 curl -sf localhost:30000/hsx/info > "$OUT/logs/info.json" || { say "engine failed"; tail -40 "$OUT/logs/server.log"; exit 1; }
 say "engine up"
 (vmstat -t 1 > "$OUT/logs/vmstat.txt" 2>&1 &)
+if [ "${FP8:-1}" = 1 ]; then
 LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
 timeout $(( LEFT - 15 )) python3 -m hsx.cli bench fp8 --engine-url http://127.0.0.1:30000 --vocab 128256 \
   --samples "$SAMPLES" --tokens 1024 --processes "$PROCESSES" --concurrency "$CONCURRENCY" \
@@ -82,13 +84,14 @@ timeout $(( LEFT - 15 )) python3 -m hsx.cli bench fp8 --engine-url http://127.0.
   2> "$OUT/logs/bench_fp8.h$HIDDEN.log" | tee "$OUT/logs/bench_fp8.h$HIDDEN.txt"
 say "bench exit ${PIPESTATUS[0]}"
 tail -n 1 "$OUT/logs/bench_fp8.h$HIDDEN.txt" >> "$OUT/bench_fp8.json"
+fi
 # Issue 17 on the same engine: `hsx bench stream` (a consume job under a cap of a tenth of its output, drained
 # by a consumer, vs the same job kept). Many small units, so that the cap holds ten or more of them.
 if [ "${STREAM:-1}" = 1 ]; then
   LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
   timeout $(( LEFT - 15 )) python3 -m hsx.cli bench stream --engine-url http://127.0.0.1:30000 --vocab 128256 \
-    --samples "${STREAM_SAMPLES:-1024}" --tokens "${STREAM_TOKENS:-512}" --samples-per-shard 8 \
-    --processes "$PROCESSES" --concurrency "$CONCURRENCY" \
+    --samples "${STREAM_SAMPLES:-1024}" --tokens "${STREAM_TOKENS:-512}" --samples-per-shard "${STREAM_SAMPLES_PER_SHARD:-8}" \
+    --consumers "${STREAM_CONSUMERS:-4}" --processes "$PROCESSES" --concurrency "$CONCURRENCY" \
     2> "$OUT/logs/bench_stream.h$HIDDEN.log" | tee "$OUT/logs/bench_stream.h$HIDDEN.txt"
   say "stream bench exit ${PIPESTATUS[0]}"
   tail -n 1 "$OUT/logs/bench_stream.h$HIDDEN.txt" >> "$OUT/bench_stream.json"
