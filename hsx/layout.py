@@ -19,12 +19,14 @@ drift apart; a parser refuses what its writer would never produce. Formats: docs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 from hsx.fsutil import fsync_dir
 
@@ -194,19 +196,19 @@ def parse_lease_owner(owner: str) -> LeaseOwner:
 
 
 # --- atomic publication ------------------------------------------------------------------------------
-def write_atomically(path: Path | str, data: bytes | str, *, sync_dir: bool = True) -> Path:
-    """Publish ``data`` as ``path``: a reader sees the previous file or the whole new one.
+@contextlib.contextmanager
+def atomic_file(path: Path | str, *, text: bool = False, sync_dir: bool = True) -> Iterator[IO[Any]]:
+    """Write ``path`` through the yielded file: a reader sees the previous file or the whole new one.
 
-    The temp file has a unique hidden name, so two writers never share one. ``sync_dir=False`` skips
-    the directory fsync where losing the rename in a power cut is harmless (an engine's dump: the
-    worker asks again) and its cost is paid per sample.
-    """
+    The file is written under a unique hidden temp name (two writers never share one), fsynced and renamed
+    onto ``path`` when the block ends; on an error the temp file is removed and ``path`` is untouched.
+    ``sync_dir=False`` skips the directory fsync where losing the rename in a power cut is harmless (an
+    engine's dump: the worker asks again) and its cost is paid per sample."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    raw = data.encode("utf-8") if isinstance(data, str) else data
     try:
-        with open(tmp, "wb") as fh:
-            fh.write(raw)
+        with open(tmp, "w" if text else "wb", encoding="utf-8" if text else None) as fh:
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -215,7 +217,13 @@ def write_atomically(path: Path | str, data: bytes | str, *, sync_dir: bool = Tr
         raise
     if sync_dir:
         fsync_dir(path.parent)
-    return path
+
+
+def write_atomically(path: Path | str, data: bytes | str, *, sync_dir: bool = True) -> Path:
+    """Publish ``data`` as ``path`` through :func:`atomic_file`."""
+    with atomic_file(path, sync_dir=sync_dir) as fh:
+        fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(path)
 
 
 def publish_file(source: Path | str, target: Path | str) -> None:

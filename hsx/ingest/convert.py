@@ -26,13 +26,10 @@ import base64
 import datetime
 import decimal
 import json
-import os
-import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hsx.fsutil import fsync_dir
 from hsx.ingest.errors import DatasetError
 from hsx.ingest.fetch import download_dataset, fetch_s3
 from hsx.ingest.files import PARQUET_MAGIC, detect_layout, load_array
@@ -45,6 +42,7 @@ from hsx.ingest.policy import (
     resolve_local_dataset,
     uri_scheme,
 )
+from hsx.layout import atomic_file
 from hsx.settings import Settings
 
 SOURCE_FILE = "source.jsonl"
@@ -103,20 +101,11 @@ def as_jsonl(source: Path, dest_dir: Path) -> Path:
 
 def _write_jsonl(records: Iterator[Any], target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for record in records:
-                # ASCII escapes: a record may hold lone surrogates, valid JSON but not UTF-8.
-                fh.write(json.dumps(record, separators=(",", ":"), default=_json_value))
-                fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
+    with atomic_file(target, text=True) as fh:
+        for record in records:
+            # ASCII escapes: a record may hold lone surrogates, valid JSON but not UTF-8.
+            fh.write(json.dumps(record, separators=(",", ":"), default=_json_value))
+            fh.write("\n")
     return target
 
 
