@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Item ids and deliveries are 32-bit columns: a larger number names no item, and is refused as input
+# rather than reaching the database (PostgreSQL would answer "integer out of range").
+ROW_INT_MAX = 2**31 - 1
+
 
 class ConsumerCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -73,8 +77,8 @@ class LeaseOut(BaseModel):
 class Delivery(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    id: int
-    delivery: int
+    id: int = Field(ge=1, le=ROW_INT_MAX)
+    delivery: int = Field(ge=1, le=ROW_INT_MAX)
 
 
 class AckRequest(BaseModel):
