@@ -347,7 +347,7 @@ def test_hostile_job_ids_are_not_found_on_every_job_route(api: tuple[Stack, str]
     stack, base = api
     spec = create_app().openapi()
     job_routes = [(m.upper(), p) for p, ops in spec["paths"].items() for m in ops if "{job_id}" in p]
-    assert len(job_routes) == 10
+    assert len(job_routes) == 15
     ids = [
         "%00",
         "a%00b",
@@ -359,9 +359,14 @@ def test_hostile_job_ids_are_not_found_on_every_job_route(api: tuple[Stack, str]
     with httpx.Client(base_url=base, headers=AUTH, timeout=30) as client:
         for method, path in job_routes:
             # A well-formed body where one is needed, so that the id is what gets the request refused.
-            body = {"json": {"format": "modelopt"}} if path.endswith("/exports") and method == "POST" else {}
+            bodies = {"/exports": {"format": "modelopt"}, "/acks": {"items": [{"id": 1, "delivery": 1}]}}
+            body = next((b for end, b in bodies.items() if path.endswith(end) and method == "POST"), {})
+            other_ids = {"{export_id}": "e" * 32, "{consumer_id}": "c" * 32}
             for job_id in ids:
-                r = client.request(method, path.replace("{job_id}", job_id), **body)
+                url = path.replace("{job_id}", job_id)
+                for name, value in other_ids.items():
+                    url = url.replace(name, value)
+                r = client.request(method, url, **({"json": body} if method == "POST" else {}))
                 assert r.status_code == 404, (method, path, job_id[:20], r.status_code, r.text[:300])
                 assert r.json()["error"] in ("job_not_found", "not_found")
     assert job_count(stack) == 0
