@@ -4,6 +4,7 @@
 #   command: HIDDEN=4096 bash scripts/device/run_bench_fp8.sh      (8B-shaped Llama: 32 layers, hidden 4096)
 #            HIDDEN=7168 bash scripts/device/run_bench_fp8.sh      (the 8B Llama widened to 7168, 16 layers)
 #            MODE=error bash scripts/device/run_bench_fp8.sh       (fp8 error table on the 8B-shaped model)
+#            HIDDEN=7168 LAYERS=8 bash scripts/device/run_bench_fp8.sh  (an engine faster than the disk)
 # With STREAM=1 (the default) the bench mode then runs `hsx bench stream` on the same engine:
 #   $OUT/bench_stream.json (STREAM_SAMPLES, STREAM_TOKENS, STREAM_SAMPLES_PER_SHARD, STREAM_CONSUMERS);
 #   FP8=0 skips the fp8 bench.
@@ -49,20 +50,28 @@ fi
 
 mkdir -p /tmp/hsx-bin && xz -dc .device/redis-server.xz > /tmp/hsx-bin/redis-server && chmod +x /tmp/hsx-bin/redis-server
 export PATH="/tmp/hsx-bin:$PATH"
-MODEL=/tmp/llama-h$HIDDEN
+# LAYERS overrides the shape's depth: fewer layers make the engine faster than the disk, which is the case
+# fp8 is for (LAYERS=8 at HIDDEN=7168: prefill well above the disk's fsynced rate of bf16 states).
+LAYERS=${LAYERS:-}
+MODEL=/tmp/llama-h$HIDDEN-l${LAYERS:-default}
 if [ ! -f $MODEL/config.json ]; then
-  python3 - "$MODEL" "$HIDDEN" <<'PY'
+  python3 - "$MODEL" "$HIDDEN" "$LAYERS" <<'PY'
 import sys
 from transformers import LlamaConfig
 hidden = int(sys.argv[2])
 shape = {4096: dict(intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
          7168: dict(intermediate_size=18432, num_hidden_layers=16, num_attention_heads=56)}[hidden]
+if sys.argv[3]:
+    shape["num_hidden_layers"] = int(sys.argv[3])
 LlamaConfig(vocab_size=128256, hidden_size=hidden, num_key_value_heads=8, max_position_embeddings=8192,
             rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
             architectures=["LlamaForCausalLM"], **shape).save_pretrained(sys.argv[1])
 PY
 fi
-say "model config ready (hidden $HIDDEN)"
+say "model config ready (hidden $HIDDEN, layers ${LAYERS:-of the shape})"
+# The disk's own fsynced write rate where the shards go, to say which of engine and disk is the limit.
+dd if=/dev/zero of=/tmp/hsx-ddtest bs=64M count=48 conv=fsync 2>&1 | tail -n 1 | tee -a "$OUT/steps.log"
+rm -f /tmp/hsx-ddtest
 setsid python3 -m workers.engines.sglang.launcher --model-path $MODEL --port 30000 --dump-dir /dev/shm/hsx-dumps \
   --attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-cuda-graph \
   --disable-radix-cache --skip-tokenizer-init --load-format dummy --writer-threads "$HSX_SGLANG_WRITER_THREADS" \
