@@ -1,5 +1,7 @@
-"""The dashboard shows a streaming job: its buffered bytes against its cap, that it waits on consumers,
-and each consumer with what it holds leased (real Chromium; skipped, saying why, where it is missing)."""
+"""The dashboard shows a streaming job: its buffered bytes against its cap, that it waits on consumers, each
+consumer with what it holds leased and how long it has been idle, and the job's tokens/s over its run as a
+plot built from the units' commit times, which follows the job as it runs (real Chromium; skipped, saying
+why, where it is missing)."""
 
 from __future__ import annotations
 
@@ -9,26 +11,79 @@ from typing import Any
 import pytest
 
 from tests.fixtures.stack import TEST_TOKEN, Stack
-from tests.test_ui import SAMPLE, page  # noqa: F401  (the browser fixture)
+from tests.test_ui import SAMPLE, artifacts_dir, page  # noqa: F401  (the browser fixture)
 
 postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+PLOT = "[data-testid=throughput-plot]"
+
+
+def lease(stack: Stack, job_id: str, consumer: str, deadline: float) -> dict[str, Any]:
+    """The next leased item, or the end of the stream, polling until one comes."""
+    while True:
+        out = dict(stack.client.post(f"/jobs/{job_id}/consumers/{consumer}/leases", json={}).json())
+        if out["items"] or out["end_of_stream"]:
+            return out
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.2)
+
+
+def ack(stack: Stack, job_id: str, consumer: str, item: dict[str, Any]) -> None:
+    resp = stack.client.post(
+        f"/jobs/{job_id}/consumers/{consumer}/acks",
+        json={"items": [{"id": item["id"], "delivery": item["delivery"]}]},
+    )
+    assert resp.status_code == 200 and resp.json()["acked"] == [item["id"]], resp.text
+
+
+def plot_tokens(tab: Any) -> int:
+    return int(tab.get_attribute(PLOT, "data-tokens"))
+
+
+def wait_for_plot_tokens(tab: Any, tokens: int) -> None:
+    """The page draws a refresh every two seconds: wait until it shows this many tokens."""
+    tab.wait_for_function(
+        "n => { const p = document.querySelector('[data-testid=throughput-plot]');"
+        " return p !== null && Number(p.dataset.tokens) === n; }",
+        arg=tokens,
+    )
+
+
+def check_plot(tab: Any, stack: Stack, job_id: str) -> dict[str, Any]:
+    """The plot agrees with the job: its buckets add up to the job's tokens, one point a bucket, and the
+    y axis reaches the peak bucket and the job's mean rate. Returns the job as read after the plot."""
+    doc = stack.job(job_id)
+    wait_for_plot_tokens(tab, doc["progress"]["tokens"])
+    doc = stack.job(job_id)  # read after the page's read: its mean rate can only have fallen since
+    plot = tab.query_selector(PLOT)
+    assert plot is not None
+    n = int(plot.get_attribute("data-points"))
+    line = tab.get_attribute("[data-testid=throughput-line]", "points").split()
+    assert n > 1 and len(line) == n, line
+    points = tab.query_selector_all(f"{PLOT} circle.point")
+    rates = [float(p.get_attribute("data-rate")) for p in points]
+    spread = sum(float(p.get_attribute("data-tokens")) for p in points)  # tokens spread over buckets
+    assert len(points) == n and abs(spread - plot_tokens(tab)) < 0.01 * n
+    ymax = float(plot.get_attribute("data-ymax"))
+    assert tab.text_content("[data-testid=plot-ymax]") and ymax >= max(rates) > 0
+    assert ymax >= float(plot.get_attribute("data-mean")) >= doc["progress"]["tokens_per_second"] > 0
+    assert "tok/s" in (plot.text_content() or "") and "time since start" in (plot.text_content() or "")
+    return doc
 
 
 @postgres_only
-def test_dashboard_shows_the_buffer_against_the_cap_and_the_consumers(
+def test_dashboard_shows_the_buffer_against_the_cap_the_consumers_and_tokens_per_second(
     stack: Stack,
     page: tuple[Any, str],  # noqa: F811
 ) -> None:
     tab, url = page
-    job = stack.submit(SAMPLE, samples_per_shard=4, retention="consume", buffer_cap_bytes=1)
+    errors: list[str] = []
+    tab.on("pageerror", lambda exc: errors.append(str(exc)))
+    job = stack.submit(SAMPLE, samples_per_shard=2, retention="consume", buffer_cap_bytes=1)
     stack.start_worker()
     consumer = stack.client.post(f"/jobs/{job['id']}/consumers", json={"name": "rank0"}).json()["id"]
-    deadline = time.monotonic() + 120
-    held: list[Any] = []
-    while not held and time.monotonic() < deadline:
-        held = stack.client.post(f"/jobs/{job['id']}/consumers/{consumer}/leases", json={}).json()["items"]
-        time.sleep(0.2)
-    assert held, stack.logs()
+    deadline = time.monotonic() + 240
+    held = lease(stack, job["id"], consumer, deadline)["items"]
+    assert held
 
     tab.goto(f"{url}/ui")
     tab.fill("#token", TEST_TOKEN)
@@ -36,7 +91,47 @@ def test_dashboard_shows_the_buffer_against_the_cap_and_the_consumers(
     tab.click(f"tr[data-job='{job['id']}']")
     tab.wait_for_selector("[data-testid=stream-summary]:has-text('waiting on consumers')")
     summary = tab.inner_text("[data-testid=stream-summary]")
-    assert "consume" in summary and "cap" in summary and "1 leased" in summary, summary
-    row = tab.wait_for_selector("#stream-consumers tr:has-text('rank0')")
-    assert row is not None and row.inner_text().split("\t")[1].strip() == "1"
+    assert "consume" in summary and "cap" in summary and "1 leased" in summary and "lag" in summary, summary
     assert tab.locator("#stream-buffer.full").count() == 1
+    assert "of 1 B cap (>999%)" in tab.inner_text("[data-testid=stream-buffer-label]")
+    row = tab.wait_for_selector(f"#stream-consumers tr[data-consumer='{consumer}']")
+    assert row is not None and "rank0" in row.inner_text()
+    assert tab.inner_text(f"tr[data-consumer='{consumer}'] [data-testid=leased-items]") == "1"
+    leased_bytes = tab.get_attribute(f"tr[data-consumer='{consumer}'] [data-testid=leased-bytes]", "title")
+    assert leased_bytes == f"{held[0]['bytes']} bytes"
+    idle = tab.inner_text(f"tr[data-consumer='{consumer}'] [data-testid=idle]")
+    assert idle.endswith(" s") and float(idle.split()[0]) >= 0, idle
+
+    # A running job: the plot stands for what it has committed so far, the unit the consumer holds.
+    doc = check_plot(tab, stack, job["id"])
+    assert doc["state"] == "running" and doc["progress"]["units_done"] >= 1
+    assert "now" in (tab.text_content(PLOT) or "")
+    first = plot_tokens(tab)
+
+    # The consumer acknowledges: the cap lets the workers on, and the plot follows them.
+    ack(stack, job["id"], consumer, held[0])
+    screenshot_at = 4
+    acked = 1
+    while True:
+        out = lease(stack, job["id"], consumer, deadline)
+        if out["end_of_stream"]:
+            break
+        if acked == screenshot_at:
+            doc = check_plot(tab, stack, job["id"])
+            assert doc["state"] == "running" and plot_tokens(tab) > first
+            tab.wait_for_selector(f"tr[data-consumer='{consumer}'] [data-testid=leased-items]:text-is('1')")
+            shot = artifacts_dir() / "dashboard-stream.png"
+            tab.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 10_000
+        ack(stack, job["id"], consumer, out["items"][0])
+        acked += 1
+    assert acked > screenshot_at
+
+    # Finished: the plot covers the run from start to finish and adds up to every token of it.
+    doc = stack.wait(job["id"])
+    assert doc["state"] == "succeeded", doc
+    tab.wait_for_selector("#job-state:has-text('succeeded')")
+    check_plot(tab, stack, job["id"])
+    assert "now" not in (tab.text_content(PLOT) or "")
+    assert plot_tokens(tab) == doc["progress"]["tokens"]
+    assert not errors, errors

@@ -1,6 +1,7 @@
 """The dashboard in a real browser: Debian's headless Chromium (driven by Playwright) opens /ui with the
-API token, sees a job finish, opens its units and shards, runs verify, cancels and retries a job, and keeps a
-screenshot (``$HSX_TEST_ARTIFACTS``, default ``.hsx/artifacts/``)."""
+API token, sees a job finish, opens its units, shards and tokens/s plot, runs verify, cancels and retries a
+job, keeps the job picked last against a slower load of another, and keeps a screenshot
+(``$HSX_TEST_ARTIFACTS``, default ``.hsx/artifacts/``)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,20 @@ def artifacts_dir() -> Path:
     folder = Path(os.environ.get("HSX_TEST_ARTIFACTS") or REPO / ".hsx" / "artifacts")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def refreshes(tab: Any) -> int:
+    """How many of the page's refreshes have finished (app.js counts them on <body>)."""
+    return int(tab.get_attribute("body", "data-refreshes") or 0)
+
+
+def wait_for_refreshes(tab: Any, n: int, in_flight: int) -> None:
+    """Until n refreshes have finished and this many are out."""
+    tab.wait_for_function(
+        "([n, out]) => Number(document.body.dataset.refreshes || 0) >= n"
+        " && Number(document.body.dataset.inFlight) === out",
+        arg=[n, in_flight],
+    )
 
 
 @pytest.fixture
@@ -106,11 +121,33 @@ def test_dashboard_shows_a_job_finish_runs_verify_cancels_and_retries(
     assert retried["state"] == "queued" and retried["dataset_uri"] == queued["dataset_uri"]
     tab.wait_for_selector(f"[data-testid='state-{retried['id']}']")
 
+    # The finished job's panel plots its tokens/s over the run, from start to finish: every token counted.
     tab.click(f"tr[data-job='{done_job['id']}']")
     tab.wait_for_selector(f"#job-id:has-text('{done_job['id']}')")
     tab.wait_for_selector("#job-state:has-text('succeeded')")
-    tab.wait_for_timeout(2500)  # one more refresh: the panel stays on the job picked last
+    plot = tab.wait_for_selector(f"[data-testid=throughput-plot][data-tokens='{doc['progress']['tokens']}']")
+    assert plot is not None and int(plot.get_attribute("data-points")) > 1
+    assert float(plot.get_attribute("data-ymax")) >= doc["progress"]["tokens_per_second"] > 0
+    assert len(tab.get_attribute("[data-testid=throughput-line]", "points").split()) > 1
+
+    # A load of another job still in flight when this one is picked must not draw over it: hold the
+    # answers about the retried job (the interval waits while a refresh is out), pick it, then the finished
+    # job, and let the held answers in last.
+    held: list[Any] = []
+    tab.route(f"**/jobs/{retried['id']}**", lambda route: held.append(route))
+    with tab.expect_request(f"**/jobs/{retried['id']}"):
+        tab.click(f"tr[data-job='{retried['id']}']")
+    before = refreshes(tab)
+    tab.click(f"tr[data-job='{done_job['id']}']")
+    wait_for_refreshes(tab, before + 1, in_flight=1)  # only the held refresh is out
+    assert held and tab.inner_text("#job-id") == done_job["id"]
+    before = refreshes(tab)
+    for route in held:
+        route.continue_()
+    tab.unroute(f"**/jobs/{retried['id']}**")
+    wait_for_refreshes(tab, before + 1, in_flight=0)
     assert tab.inner_text("#job-id") == done_job["id"]
+    assert tab.inner_text("#job-state") == "succeeded"
     shot = artifacts_dir() / "dashboard.png"
     tab.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
@@ -126,5 +163,7 @@ def test_dashboard_files_carry_a_strict_content_security_policy() -> None:
     page = client.get("/ui/")
     assert page.status_code == 200 and '<script src="app.js">' in page.text
     assert "script-src 'self'" in page.headers["content-security-policy"]
-    assert client.get("/ui/app.js").status_code == 200
+    assert '<script src="plot.js">' in page.text  # the tokens/s plot, drawn as SVG nodes by script
+    for name in ("app.js", "plot.js", "style.css"):
+        assert client.get(f"/ui/{name}").status_code == 200
     assert client.get("/ui/__init__.py").status_code == 404  # the package's Python is not served

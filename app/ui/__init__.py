@@ -1,5 +1,6 @@
-"""The operator dashboard: static files served at ``/ui`` (``index.html``, ``app.js``, ``style.css``), no
-build step. The files hold no data; the page asks the API for everything with the user's bearer token."""
+"""The operator dashboard: static files served at ``/ui`` (``index.html``, ``app.js``, ``plot.js``,
+``style.css``), no build step. The files hold no data; the page asks the API for everything with the user's
+bearer token."""
 
 from __future__ import annotations
 

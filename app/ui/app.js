@@ -4,7 +4,21 @@
 
 const REFRESH_MS = 2000;
 const TOKEN_KEY = "hsx-token";
+const SKEW_MS = 2000;  // the browser's clock is trusted unless it is this far from the API's
 let selectedJob = null;
+let verifying = false;
+// Refreshes may overlap (a click refreshes at once, a slow API outlasts the interval): each takes a number,
+// and a part of the page is drawn only from a refresh newer than the one that drew it last.
+let refreshSeq = 0;
+let refreshesInFlight = 0;
+let refreshesDone = 0;
+const drawnBy = { jobs: 0, job: 0, engines: 0 };
+
+function fresh(part, seq) {
+  if (seq < drawnBy[part]) return false;
+  drawnBy[part] = seq;
+  return true;
+}
 
 function token() { return sessionStorage.getItem(TOKEN_KEY) || ""; }
 
@@ -15,7 +29,7 @@ async function api(method, path, body) {
   const resp = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
   let doc = null;
   try { doc = await resp.json(); } catch (_) { doc = null; }
-  return { status: resp.status, ok: resp.ok, doc };
+  return { status: resp.status, ok: resp.ok, doc, date: resp.headers.get("Date") };
 }
 
 function el(tag, attrs, ...children) {
@@ -117,9 +131,10 @@ function jobRow(job) {
   return row;
 }
 
-async function loadJobs() {
+async function loadJobs(seq) {
   const resp = await api("GET", "/jobs?limit=50");
   if (!resp.ok) { failed("jobs", resp); return false; }
+  if (!fresh("jobs", seq)) return true;
   const body = document.getElementById("jobs");
   body.replaceChildren(...resp.doc.items.map(jobRow));
   document.getElementById("jobs-total").textContent = resp.doc.total + " in all";
@@ -127,13 +142,21 @@ async function loadJobs() {
   return true;
 }
 
-async function loadJob() {
+// The API's clock now, from a response's Date header (whole seconds), or the browser's when they agree.
+function serverNow(resp) {
+  const local = Date.now();
+  const remote = resp.date ? Date.parse(resp.date) : NaN;
+  return Number.isFinite(remote) && Math.abs(remote - local) > SKEW_MS ? remote : local;
+}
+
+async function loadJob(seq) {
   const panel = document.getElementById("job-panel");
   if (!selectedJob) { panel.hidden = true; return; }
   const wanted = selectedJob;
   const id = encodeURIComponent(wanted);
   const [job, units] = await Promise.all([api("GET", "/jobs/" + id), api("GET", "/jobs/" + id + "/units")]);
   if (wanted !== selectedJob) return;  // another job was picked meanwhile: a later refresh draws it
+  if (!fresh("job", seq)) return;  // a newer refresh drew this panel already
   if (!job.ok) { panel.hidden = true; return; }
   panel.hidden = false;
   const doc = job.doc;
@@ -143,6 +166,8 @@ async function loadJob() {
   state.className = "state " + doc.state;
   document.getElementById("job-error").textContent = doc.error || "";
   drawStream(doc.stream);
+  drawThroughput(document.getElementById("throughput-plot"), document.getElementById("throughput-summary"),
+    doc, units.ok ? units.doc.items : [], serverNow(job));
   const reasons = Object.entries(doc.rejections).sort((a, b) => b[1] - a[1]);
   document.getElementById("job-rejections").replaceChildren(
     ...(reasons.length ? reasons.map(([r, n]) => el("tr", {}, el("td", { class: "mono" }, r), el("td", {}, n)))
@@ -172,25 +197,40 @@ function drawStream(stream) {
   const meter = document.getElementById("stream-buffer");
   meter.style.width = (fraction * 100).toFixed(1) + "%";
   meter.className = stream.waiting_on_consumers ? "full" : "";
+  const pct = cap ? held / cap * 100 : null;
+  document.getElementById("stream-buffer-label").textContent = cap
+    ? fmtBytes(held) + " of " + fmtBytes(cap) + " cap (" + (pct > 999 ? ">999" : pct.toFixed(0)) + "%)"
+    : fmtBytes(held) + " held, no cap (keep)";
   document.getElementById("stream-summary").textContent =
     stream.retention + " · buffered " + fmtBytes(stream.buffered_bytes) + " + in flight " + fmtBytes(stream.in_flight_bytes) +
     (cap ? " of " + fmtBytes(cap) + " cap" : "") + " · lag " + fmtBytes(stream.lag_bytes) +
     " (" + stream.items_ready + " shards ready, " + stream.items_leased + " leased, " + stream.items_acked + " acked)" +
     (stream.waiting_on_consumers ? " · waiting on consumers" : "");
   document.getElementById("stream-consumers").replaceChildren(...(stream.consumers.length
-    ? stream.consumers.map((c) => el("tr", {}, el("td", { class: "mono", title: c.id }, c.name), el("td", {}, c.leased_items),
-        el("td", {}, fmtBytes(c.leased_bytes)), el("td", {}, c.items_acked), el("td", {}, fmtSeconds(c.idle_seconds))))
+    ? stream.consumers.map((c) => el("tr", { "data-consumer": c.id },
+        el("td", { class: "mono", title: c.id }, c.name),
+        el("td", { "data-testid": "leased-items" }, c.leased_items),
+        el("td", { "data-testid": "leased-bytes", title: c.leased_bytes + " bytes" }, fmtBytes(c.leased_bytes)),
+        el("td", { "data-testid": "acked" }, c.items_acked),
+        el("td", { "data-testid": "idle", title: "since its last lease or acknowledgement" }, fmtSeconds(c.idle_seconds))))
     : [el("tr", {}, el("td", { class: "muted" }, "no consumer yet"))]));
 }
 
 // --- engines and verify -------------------------------------------------------------------------------------
 
 async function verify(button) {
+  // The engines table is redrawn while verify runs: the flag keeps the redrawn button disabled too.
+  verifying = true;
   button.disabled = true;
   const out = document.getElementById("verify-result");
   out.replaceChildren(el("span", { class: "muted" }, "verifying…"));
-  const resp = await api("POST", "/verify");
-  button.disabled = false;
+  let resp;
+  try {
+    resp = await api("POST", "/verify");
+  } finally {
+    verifying = false;
+    for (const b of document.querySelectorAll("[data-testid=verify]")) b.disabled = false;
+  }
   if (!resp.doc || !Array.isArray(resp.doc.checks)) { out.replaceChildren(); return failed("verify", resp); }
   const failedChecks = resp.doc.checks.filter((c) => !c.ok);
   out.replaceChildren(
@@ -204,28 +244,35 @@ async function verify(button) {
         + (c.reason ? " (" + c.reason + ": " + c.detail + ")" : "")))))));
 }
 
-async function loadEngines() {
+async function loadEngines(seq) {
   const resp = await api("GET", "/engines");
-  if (!resp.ok) return;
+  if (!resp.ok || !fresh("engines", seq)) return;
   document.getElementById("engines").replaceChildren(...resp.doc.map((e) => {
     const model = e.info && e.info.model_path ? String(e.info.model_path).split("/").pop() : "";
     const health = e.healthy === null ? el("span", { class: "muted" }, "not probed")
       : el("span", { class: e.healthy ? "ok" : "bad" }, e.healthy ? "healthy" : "down");
     const action = e.configured
       ? el("button", { "data-testid": "verify", onclick: (ev) => verify(ev.target) }, "verify") : "";
+    if (action && verifying) action.disabled = true;
     return el("tr", {}, el("td", { class: "mono" }, e.url), el("td", {}, health), el("td", { class: "mono" }, model),
       el("td", {}, e.live_leases), el("td", {}, e.units_done_last_hour), el("td", {}, action));
   }));
 }
 
 async function refresh() {
+  const seq = ++refreshSeq;
+  document.body.dataset.inFlight = String(++refreshesInFlight);
   try {
-    if (await loadJobs()) {
+    if (await loadJobs(seq)) {
       if (Date.now() > noticeUntil) setStatus("updated " + new Date().toLocaleTimeString());
-      await Promise.all([loadJob(), loadEngines()]);
+      await Promise.all([loadJob(seq), loadEngines(seq)]);
     }
   } catch (err) {
     setStatus("API unreachable: " + err, true);
+  } finally {
+    // Tests wait on these, not on the clock.
+    document.body.dataset.inFlight = String(--refreshesInFlight);
+    document.body.dataset.refreshes = String(++refreshesDone);
   }
 }
 
@@ -237,4 +284,5 @@ document.getElementById("token-form").addEventListener("submit", (e) => {
   refresh();
 });
 refresh();
-setInterval(refresh, REFRESH_MS);
+// A tick while a refresh is still out is skipped rather than piling requests on a slow API.
+setInterval(() => { if (!refreshesInFlight) refresh(); }, REFRESH_MS);
