@@ -115,7 +115,7 @@ class JobStream(IterableDataset[Item]):
                 )
             log.warning("%s %s failed (%s); retrying in %.1f s", method, path, failure, pause)
             time.sleep(pause)
-            pause = min(pause * 2, 5.0)
+            pause = min(pause * 2, 2.0)  # an API back from a restart is found within 2 s
 
     def _manifest(self) -> Manifest:
         """The job's layout, once it has started (its engine record is set when a worker starts it)."""
