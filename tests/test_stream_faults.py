@@ -9,6 +9,7 @@ from the job table the whole time."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from hsx.local_stack import LocalStack, local_stack
 from tests.fixtures.live_server import serve_in_thread
 from tests.fixtures.stack import REPO, TEST_TOKEN, Stack, make_stack
 from tests.fixtures.synthetic import Engines, Synthetic, write_pretokenized
@@ -76,17 +78,31 @@ def start_consumer(stack: Stack, api: str, job_id: str, record: Path, *args: str
     )
 
 
-def start_trainer(stack: Stack, api: str, job_id: str, record: Path, group: str) -> subprocess.Popen[str]:
-    """``hsx.torch_data.JobStream`` in a process of its own (tests/fixtures/stream_trainer.py)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.fixtures.stream_trainer", api, job_id, TEST_TOKEN, str(record), group],
-        cwd=REPO,
-        env={**os.environ, **stack.env, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.DEVNULL,
-        stderr=(stack.tmp / f"{record.stem}.err").open("a"),
-        text=True,
-        start_new_session=True,
-    )
+@contextlib.contextmanager
+def trainers(
+    stack: Stack, api: str, job_id: str, records: list[Path]
+) -> Iterator[list[subprocess.Popen[str]]]:
+    """``hsx.torch_data.JobStream`` in processes of their own (tests/fixtures/stream_trainer.py), one
+    group; any still running at the end are killed."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.fixtures.stream_trainer", api, job_id, TEST_TOKEN, str(r), "run"],
+            cwd=REPO,
+            env={**os.environ, **stack.env, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.DEVNULL,
+            stderr=(stack.tmp / f"{r.stem}.err").open("a"),
+            text=True,
+            start_new_session=True,
+        )
+        for r in records
+    ]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str, stack: Stack) -> None:
@@ -225,7 +241,7 @@ def assert_streamed_exactly_once(stack: Stack, job_id: str, cap: int, peak: int,
 def test_the_api_killed_and_restarted_while_trainers_stream_loses_nothing_and_repeats_nothing(
     synth: tuple[Stack, Synthetic],
 ) -> None:
-    from hsx.local_stack import free_port, hsx_command, local_stack, wait_http
+    from hsx.local_stack import free_port, hsx_command, wait_http
 
     stack, _engine = synth
     job_id, cap = consume_job(stack)
@@ -244,14 +260,14 @@ def test_the_api_killed_and_restarted_while_trainers_stream_loses_nothing_and_re
             return proc
 
         # Trainers import torch meanwhile; until the API answers they retry, as after the restart.
-        trainers = [start_trainer(stack, api, job_id, r, "run") for r in records]
-        first = serve("api-1")
-        wait_until(lambda: len(acked_samples(*records)) >= 2, 120, "a shard acknowledged", stack)
-        os.killpg(first.pid, signal.SIGKILL)  # mid-stream: the trainers lease and acknowledge all the time
-        first.wait()
-        serve("api-2")
-        for trainer in trainers:
-            assert trainer.wait(120) == 0, (trainer_errors(stack), stack.logs())
+        with trainers(stack, api, job_id, records) as running:
+            first = serve("api-1")
+            wait_until(lambda: len(acked_samples(*records)) >= 2, 120, "a shard acknowledged", stack)
+            os.killpg(first.pid, signal.SIGKILL)  # mid-stream: the trainers lease and ack all the time
+            first.wait()
+            serve("api-2")
+            for trainer in running:
+                assert trainer.wait(120) == 0, (trainer_errors(stack), stack.logs())
     watch.stopped.set()
     # Both trainers met the dead API while they held a consumer, retried, and carried on.
     for record in records:
@@ -260,58 +276,64 @@ def test_the_api_killed_and_restarted_while_trainers_stream_loses_nothing_and_re
     assert_streamed_exactly_once(stack, job_id, cap, watch.peak, *records)
 
 
-def test_redis_killed_and_restarted_while_workers_and_trainers_run_loses_nothing(
+@pytest.fixture
+def private_redis(
     db_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from app.main import create_app
-    from hsx.local_stack import LocalStack, redis_reachable, redis_server_binary
+) -> Iterator[tuple[Stack, LocalStack, str]]:
+    """A stack on a Redis of this test's own (never the shared one: this one is killed)."""
     from hsx.settings import get_settings
 
-    private = LocalStack(tmp_path / "redis")  # never the shared Redis: this one is killed
-    try:
+    with local_stack(tmp_path / "redis") as private:
         url = private.start_redis()
-        port = url.rsplit(":", 1)[1].split("/")[0]
         stack = make_stack(
             db_url, url, engines.start().url, tmp_path, monkeypatch, stream_room_wait_seconds="2"
         )
-        job_id, cap = consume_job(stack)
-        watch = BufferWatch(stack.env["HSX_DATABASE_URL"], job_id)
-        watch.start()
-        records = [stack.tmp / f"trainer-{n}.jsonl" for n in range(2)]
-        with serve_in_thread(create_app()) as api:
-            trainers = [start_trainer(stack, api, job_id, r, "run") for r in records]
-            stack.start_worker()
-            wait_until(lambda: len(acked_samples(*records)) >= 2, 120, "a shard acknowledged", stack)
-            _name, redis_proc = private.procs[-1]
-            os.killpg(redis_proc.pid, signal.SIGKILL)
-            redis_proc.wait(10)
-            killed = time.time()
-
-            def leased_since_kill() -> bool:
-                consumers = stack.client.get(f"/jobs/{job_id}/consumers").json()["items"]
-                return len(consumers) == 2 and all(
-                    time.time() - c["idle_seconds"] > killed + 0.5 for c in consumers
-                )
-
-            # The trainers carry on against the API while Redis is gone (it needs none to lease or ack).
-            wait_until(leased_since_kill, 30, "both trainers served without Redis", stack)
-            binary = redis_server_binary()
-            assert binary is not None
-            private.start(
-                "redis-again",
-                [binary, "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            )
-            wait_until(lambda: redis_reachable(url), 20, "the new Redis", stack)
-            for trainer in trainers:
-                assert trainer.wait(120) == 0, (trainer_errors(stack), stack.logs())
-        watch.stopped.set()
-        assert all(w.poll() is None for w in stack.workers), "workers ride out the Redis outage"
-        assert_streamed_exactly_once(stack, job_id, cap, watch.peak, *records)
-    finally:
-        if "stack" in locals():
+        try:
+            yield stack, private, url
+        finally:
             stack.stop_workers()
-        get_settings.cache_clear()
-        private.stop()
+            get_settings.cache_clear()
+
+
+def test_redis_killed_and_restarted_while_workers_and_trainers_run_loses_nothing(
+    private_redis: tuple[Stack, LocalStack, str],
+) -> None:
+    from app.main import create_app
+    from hsx.local_stack import redis_reachable, redis_server_binary
+
+    stack, private, url = private_redis
+    job_id, cap = consume_job(stack)
+    watch = BufferWatch(stack.env["HSX_DATABASE_URL"], job_id)
+    watch.start()
+    records = [stack.tmp / f"trainer-{n}.jsonl" for n in range(2)]
+    with serve_in_thread(create_app()) as api, trainers(stack, api, job_id, records) as running:
+        stack.start_worker()
+        wait_until(lambda: len(acked_samples(*records)) >= 2, 120, "a shard acknowledged", stack)
+        _name, redis_proc = private.procs[-1]
+        os.killpg(redis_proc.pid, signal.SIGKILL)
+        redis_proc.wait(10)
+        killed = time.time()
+
+        def served_since_kill() -> bool:
+            consumers = stack.client.get(f"/jobs/{job_id}/consumers").json()["items"]
+            return len(consumers) == 2 and all(
+                time.time() - c["idle_seconds"] > killed + 0.5 for c in consumers
+            )
+
+        # The trainers carry on against the API while Redis is gone (it needs none to lease or ack).
+        wait_until(served_since_kill, 30, "both trainers served without Redis", stack)
+        binary = redis_server_binary()
+        assert binary is not None
+        port = url.rsplit(":", 1)[1].split("/")[0]
+        private.start(
+            "redis-again", [binary, "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        )
+        wait_until(lambda: redis_reachable(url), 20, "the new Redis", stack)
+        for trainer in running:
+            assert trainer.wait(120) == 0, (trainer_errors(stack), stack.logs())
+    watch.stopped.set()
+    assert all(w.poll() is None for w in stack.workers), "workers ride out the Redis outage"
+    assert_streamed_exactly_once(stack, job_id, cap, watch.peak, *records)
 
 
 def trainer_errors(stack: Stack) -> str:
