@@ -1,24 +1,30 @@
 """Faults while a consume job streams, with real processes: a consumer SIGKILLed while it holds a lease
 (its shard comes back to another consumer; among acknowledged samples none is lost or repeated), an hsx
 worker killed while consumers read (the job finishes, nothing lost or repeated), a consumer that never
-comes back (the job waits, says so, and deletes nothing unacknowledged). The cap holds throughout: the
-buffered bytes are sampled from the job table the whole time."""
+comes back (the job waits, says so, and deletes nothing unacknowledged), the API process SIGKILLed and
+started again on its port while trainers (``JobStream`` in processes of their own) lease and acknowledge,
+and a private Redis SIGKILLed and started again while workers and trainers run (both: every sample
+acknowledged exactly once, the job succeeds). The cap holds throughout: the buffered bytes are sampled
+from the job table the whole time."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from hsx.local_stack import LocalStack, local_stack
 from tests.fixtures.live_server import serve_in_thread
 from tests.fixtures.stack import REPO, TEST_TOKEN, Stack, make_stack
 from tests.fixtures.synthetic import Engines, Synthetic, write_pretokenized
@@ -70,6 +76,40 @@ def start_consumer(stack: Stack, api: str, job_id: str, record: Path, *args: str
         text=True,
         start_new_session=True,
     )
+
+
+@contextlib.contextmanager
+def trainers(
+    stack: Stack, api: str, job_id: str, records: list[Path]
+) -> Iterator[list[subprocess.Popen[str]]]:
+    """``hsx.torch_data.JobStream`` in processes of their own (tests/fixtures/stream_trainer.py), one
+    group; any still running at the end are killed."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.fixtures.stream_trainer", api, job_id, TEST_TOKEN, str(r), "run"],
+            cwd=REPO,
+            env={**os.environ, **stack.env, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.DEVNULL,
+            stderr=(stack.tmp / f"{r.stem}.err").open("a"),
+            text=True,
+            start_new_session=True,
+        )
+        for r in records
+    ]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def wait_until(check: Callable[[], object], timeout: float, what: str, stack: Stack) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{stack.logs()}"
+        time.sleep(0.05)
 
 
 def acked_samples(*records: Path) -> list[int]:
@@ -182,3 +222,119 @@ def test_a_consumer_that_never_returns_holds_the_job_and_nothing_unacknowledged_
     from hsx.jobs.queue import queued_wakeups
 
     assert queued_wakeups(stack.settings, job_id) == 0
+
+
+def assert_streamed_exactly_once(stack: Stack, job_id: str, cap: int, peak: int, *records: Path) -> None:
+    """The job succeeded, every sample was acknowledged once (by the trainers' own account and by the
+    API's count of shards), the cap held, and no shard is left on disk."""
+    doc = stack.job(job_id)
+    assert doc["state"] == "succeeded", (doc, stack.logs())
+    samples = acked_samples(*records)
+    assert sorted(samples) == list(range(SAMPLES)) and doc["progress"]["samples_done"] == SAMPLES, samples
+    consumers = stack.client.get(f"/jobs/{job_id}/consumers").json()["items"]
+    assert sum(c["items_acked"] for c in consumers) == doc["shards"]["total"] == SAMPLES // 2, consumers
+    assert doc["stream"]["items_acked"] == SAMPLES // 2 and doc["stream"]["buffered_bytes"] == 0
+    assert peak <= cap + largest_shard(stack, job_id), (peak, cap)
+    assert not list(Path(doc["output_dir"]).glob("shard-*.safetensors"))
+
+
+def test_the_api_killed_and_restarted_while_trainers_stream_loses_nothing_and_repeats_nothing(
+    synth: tuple[Stack, Synthetic],
+) -> None:
+    from hsx.local_stack import free_port, hsx_command, wait_http
+
+    stack, _engine = synth
+    job_id, cap = consume_job(stack)
+    watch = BufferWatch(stack.env["HSX_DATABASE_URL"], job_id)
+    watch.start()
+    stack.start_worker()
+    port = free_port()
+    api = f"http://127.0.0.1:{port}"
+    records = [stack.tmp / f"trainer-{n}.jsonl" for n in range(2)]
+    with local_stack(stack.tmp / "api-logs") as procs:
+
+        def serve(name: str) -> subprocess.Popen[bytes]:
+            command = hsx_command("api", "--port", str(port))
+            proc = procs.start(name, command, env={**stack.env, "PYTHONPATH": str(REPO)})
+            wait_http(f"{api}/healthz", 60, proc)
+            return proc
+
+        # Trainers import torch meanwhile; until the API answers they retry, as after the restart.
+        with trainers(stack, api, job_id, records) as running:
+            first = serve("api-1")
+            wait_until(lambda: len(acked_samples(*records)) >= 2, 120, "a shard acknowledged", stack)
+            os.killpg(first.pid, signal.SIGKILL)  # mid-stream: the trainers lease and ack all the time
+            first.wait()
+            serve("api-2")
+            for trainer in running:
+                assert trainer.wait(120) == 0, (trainer_errors(stack), stack.logs())
+    watch.stopped.set()
+    # Both trainers met the dead API while they held a consumer, retried, and carried on.
+    for record in records:
+        text = (stack.tmp / f"{record.stem}.err").read_text()
+        assert re.search(r"POST /consumers/[0-9a-f-]{36}/(leases|acks) failed", text), trainer_errors(stack)
+    assert_streamed_exactly_once(stack, job_id, cap, watch.peak, *records)
+
+
+@pytest.fixture
+def private_redis(
+    db_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Stack, LocalStack, str]]:
+    """A stack on a Redis of this test's own (never the shared one: this one is killed)."""
+    from hsx.settings import get_settings
+
+    with local_stack(tmp_path / "redis") as private:
+        url = private.start_redis()
+        stack = make_stack(
+            db_url, url, engines.start().url, tmp_path, monkeypatch, stream_room_wait_seconds="2"
+        )
+        try:
+            yield stack, private, url
+        finally:
+            stack.stop_workers()
+            get_settings.cache_clear()
+
+
+def test_redis_killed_and_restarted_while_workers_and_trainers_run_loses_nothing(
+    private_redis: tuple[Stack, LocalStack, str],
+) -> None:
+    from app.main import create_app
+    from hsx.local_stack import redis_reachable, redis_server_binary
+
+    stack, private, url = private_redis
+    job_id, cap = consume_job(stack)
+    watch = BufferWatch(stack.env["HSX_DATABASE_URL"], job_id)
+    watch.start()
+    records = [stack.tmp / f"trainer-{n}.jsonl" for n in range(2)]
+    with serve_in_thread(create_app()) as api, trainers(stack, api, job_id, records) as running:
+        stack.start_worker()
+        wait_until(lambda: len(acked_samples(*records)) >= 2, 120, "a shard acknowledged", stack)
+        _name, redis_proc = private.procs[-1]
+        os.killpg(redis_proc.pid, signal.SIGKILL)
+        redis_proc.wait(10)
+        killed = time.time()
+
+        def served_since_kill() -> bool:
+            consumers = stack.client.get(f"/jobs/{job_id}/consumers").json()["items"]
+            return len(consumers) == 2 and all(
+                time.time() - c["idle_seconds"] > killed + 0.5 for c in consumers
+            )
+
+        # The trainers carry on against the API while Redis is gone (it needs none to lease or ack).
+        wait_until(served_since_kill, 30, "both trainers served without Redis", stack)
+        binary = redis_server_binary()
+        assert binary is not None
+        port = url.rsplit(":", 1)[1].split("/")[0]
+        private.start(
+            "redis-again", [binary, "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        )
+        wait_until(lambda: redis_reachable(url), 20, "the new Redis", stack)
+        for trainer in running:
+            assert trainer.wait(120) == 0, (trainer_errors(stack), stack.logs())
+    watch.stopped.set()
+    assert all(w.poll() is None for w in stack.workers), "workers ride out the Redis outage"
+    assert_streamed_exactly_once(stack, job_id, cap, watch.peak, *records)
+
+
+def trainer_errors(stack: Stack) -> str:
+    return "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted(stack.tmp.glob("trainer-*.err")))

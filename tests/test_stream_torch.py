@@ -90,3 +90,41 @@ def test_a_cancelled_job_raises_rather_than_ending_the_stream(synth: tuple[Stack
         with pytest.raises(JobStreamError, match="cancelled"):
             for _ in samples:
                 pass
+
+
+def test_the_stream_retries_an_unreachable_api_for_its_outage_window_and_a_4xx_not_at_all() -> None:
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from hsx.torch_data import JobStream, JobStreamError
+
+    calls = {"flaky": 0, "gone": 0, "down": 0}
+    app = FastAPI()
+
+    @app.post("/jobs/j/flaky")
+    def flaky() -> JSONResponse:
+        calls["flaky"] += 1
+        return JSONResponse({"ok": calls["flaky"]}, status_code=503 if calls["flaky"] < 3 else 200)
+
+    @app.post("/jobs/j/gone")
+    def gone() -> JSONResponse:
+        calls["gone"] += 1
+        return JSONResponse({"error": "consumer_not_found"}, status_code=404)
+
+    @app.post("/jobs/j/down")
+    def down() -> JSONResponse:
+        calls["down"] += 1
+        return JSONResponse({"error": "internal"}, status_code=500)
+
+    with serve_in_thread(app) as api:
+        stream = JobStream(api, "j", token="t", outage_seconds=2)
+        assert stream._call("POST", "/flaky", {}) == {"ok": 3} and calls["flaky"] == 3
+        with pytest.raises(JobStreamError, match="404"):
+            stream._call("POST", "/gone", {})
+        assert calls["gone"] == 1
+        with pytest.raises(JobStreamError, match="failed for 2 s: 500"):
+            stream._call("POST", "/down", {})
+        assert calls["down"] >= 3
+    # Nothing listens any more: connection errors are retried too, then raise.
+    with pytest.raises(JobStreamError, match="ConnectError"):
+        JobStream(api, "j", token="t", outage_seconds=0.5)._call("POST", "/flaky", {})

@@ -49,8 +49,13 @@ def consumer(stack: Stack, job_id: str, **body: Any) -> str:
     return str(resp.json()["id"])
 
 
-def lease(stack: Stack, job_id: str, consumer_id: str, max_items: int = 10) -> dict[str, Any]:
-    resp = stack.client.post(f"/jobs/{job_id}/consumers/{consumer_id}/leases", json={"max_items": max_items})
+def lease(
+    stack: Stack, job_id: str, consumer_id: str, max_items: int = 10, seen: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"max_items": max_items}
+    if seen is not None:
+        body["seen"] = [{"id": i["id"], "delivery": i["delivery"]} for i in seen]
+    resp = stack.client.post(f"/jobs/{job_id}/consumers/{consumer_id}/leases", json=body)
     assert resp.status_code == 200, resp.text
     return dict(resp.json())
 
@@ -111,7 +116,7 @@ def test_a_consume_job_waits_at_its_cap_and_each_acknowledgement_lets_one_more_u
         seen += [s.index for s in item_samples(item, manifest)]
         assert Path(item["path"]).exists()
         done = ack(stack, job_id, reader, [item])
-        assert done == {"acked": [item["id"]], "refused": [], "deleted": 1}
+        assert done == {"acked": [item["id"]], "repeated": [], "refused": [], "deleted": 1}
         # Acknowledged data is deleted; the acknowledgement woke a worker through the queue.
         assert not Path(item["path"]).exists()
         if round_number < 4:
@@ -160,7 +165,7 @@ def test_a_lease_that_runs_out_goes_to_another_consumer_and_the_old_ack_is_refus
     assert ack(stack, job_id, fast, again + taken)["acked"] == sorted([first[0]["id"], taken[0]["id"]])
     # Acknowledged is final: no lease hands it out again, and the table refuses any update that would.
     assert lease(stack, job_id, slow)["items"] == []
-    assert ack(stack, job_id, fast, again)["refused"][0]["reason"] == "not leased to this consumer"
+    assert ack(stack, job_id, slow, again)["refused"][0]["reason"] == "not leased to this consumer"
     with pytest.raises(IntegrityError), session_scope(stack.env["HSX_DATABASE_URL"]) as session:
         session.execute(
             update(StreamItem)
@@ -265,3 +270,56 @@ def test_a_file_an_acknowledgement_left_behind_goes_at_the_next_call_and_nothing
     get_settings.cache_clear()
     refused = stack.client.post("/jobs", json={"dataset_uri": str(data), "options": {"retention": "consume"}})
     assert refused.status_code == 400 and refused.json()["error"] == "consume_not_published", refused.text
+
+
+def test_a_retried_acknowledgement_counts_once_and_a_lease_whose_answer_was_lost_comes_back_at_once(
+    synth: tuple[Stack, Synthetic],
+) -> None:
+    stack, engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 8)
+    job_id = stack.submit(data, samples_per_shard=2, retention="consume")["id"]
+    run_worker(engine.url, job_id)
+    reader = consumer(stack, job_id, name="reader", lease_seconds=30)
+    other = consumer(stack, job_id, name="other", lease_seconds=0.5)
+    # The answers of these leases are lost: the reader holds two items without knowing it. A lease without
+    # `seen` hands out only new items; with it, held-but-unseen deliveries come first (the same delivery,
+    # its lease renewed), and the rest of max_items is filled with new leases.
+    lost = lease(stack, job_id, reader, max_items=1)["items"]
+    plain = lease(stack, job_id, reader, max_items=1)["items"]
+    again = lease(stack, job_id, reader, max_items=2, seen=plain)["items"]
+    held = lost + plain
+    assert [(i["id"], i["delivery"], i["unit_index"]) for i in again] == [
+        (lost[0]["id"], 1, 0),
+        (again[1]["id"], 1, 2),
+    ]
+    assert again[0]["lease_expires"] > lost[0]["lease_expires"]
+    # What the reader holds is nobody else's: another consumer naming nothing gets only the last shard.
+    last = lease(stack, job_id, other, seen=[])["items"]
+    assert [i["unit_index"] for i in last] == [3]
+    assert lease(stack, job_id, reader, seen=held + again[1:])["items"] == []
+    too_many = [{"id": 1, "delivery": 1}] * 1001
+    bounded = stack.client.post(f"/jobs/{job_id}/consumers/{reader}/leases", json={"seen": too_many})
+    assert bounded.status_code == 422, bounded.text
+    # The acknowledgement committed and its answer was lost: the retry is accepted, and counted once.
+    first = ack(stack, job_id, reader, lost)
+    assert first == {"acked": [lost[0]["id"]], "repeated": [], "refused": [], "deleted": 1}
+    retried = ack(stack, job_id, reader, lost + plain)
+    assert retried["acked"] == [lost[0]["id"], plain[0]["id"]] and retried["repeated"] == [lost[0]["id"]]
+    assert retried["refused"] == [] and retried["deleted"] == 1
+    # Another consumer naming the same delivery is refused.
+    assert [r["id"] for r in ack(stack, job_id, other, lost)["refused"]] == [lost[0]["id"]]
+    # The other consumer's lease runs out and the item comes back to it as a new delivery: its
+    # acknowledgement of the older delivery is refused, a repeated one of the newer accepted once.
+    deadline = time.monotonic() + 20
+    renewed: list[dict[str, Any]] = []
+    while not renewed and time.monotonic() < deadline:
+        renewed = lease(stack, job_id, other, seen=last)["items"]
+        time.sleep(0 if renewed else 0.05)
+    assert [(i["id"], i["delivery"]) for i in renewed] == [(last[0]["id"], 2)], renewed
+    assert ack(stack, job_id, other, last)["refused"][0]["id"] == last[0]["id"]
+    assert ack(stack, job_id, other, renewed)["repeated"] == []
+    assert ack(stack, job_id, other, renewed)["repeated"] == [last[0]["id"]]
+    listed = {c["name"]: c for c in stack.client.get(f"/jobs/{job_id}/consumers").json()["items"]}
+    assert (listed["reader"]["items_acked"], listed["reader"]["leased_items"]) == (2, 1)
+    assert (listed["other"]["items_acked"], listed["other"]["leased_items"]) == (1, 0)
+    assert stack.job(job_id)["stream"]["items_acked"] == 3

@@ -67,7 +67,8 @@ def list_consumers(job_id: str, session: SessionDep, settings: SettingsDep) -> s
 def lease(
     job_id: str, consumer_id: str, body: schemas.LeaseRequest, session: SessionDep, settings: SettingsDep
 ) -> schemas.LeaseOut:
-    answer = StreamService(session, settings).lease(job_id, consumer_id, body.max_items)
+    seen = None if body.seen is None else [(d.id, d.delivery) for d in body.seen]
+    answer = StreamService(session, settings).lease(job_id, consumer_id, body.max_items, seen)
     return schemas.LeaseOut(
         job_state=answer.job_state,
         items=[
@@ -102,6 +103,7 @@ def acknowledge(
     document_cache(settings).forget(job_id)
     return schemas.AckOut(
         acked=answer.acked,
+        repeated=answer.repeated,
         refused=[schemas.RefusedAck(**r) for r in answer.refused],
         deleted=answer.deleted,
     )

@@ -7,6 +7,8 @@ from pydantic import BaseModel, ConfigDict, Field
 # Item ids and deliveries are 32-bit columns: a larger number names no item, and is refused as input
 # rather than reaching the database (PostgreSQL would answer "integer out of range").
 ROW_INT_MAX = 2**31 - 1
+# A lease names at most this many received deliveries (a consumer holds far fewer at once).
+SEEN_MAX = 1000
 
 
 class ConsumerCreate(BaseModel):
@@ -46,10 +48,25 @@ class ConsumerPage(BaseModel):
     items: list[ConsumerOut]
 
 
+class Delivery(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: int = Field(ge=1, le=ROW_INT_MAX)
+    delivery: int = Field(ge=1, le=ROW_INT_MAX)
+
+
 class LeaseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     max_items: int = Field(1, ge=1, le=1000)
+    seen: list[Delivery] | None = Field(
+        None,
+        max_length=SEEN_MAX,
+        description="The deliveries this consumer has received and may still hold. Given (even empty), the "
+        "items it holds under a live lease but is not listed here come first in the answer, the same "
+        "delivery with its lease renewed: a lease whose answer was lost (a restart, a cut connection) is "
+        "handed over at once rather than when it runs out. Left out: only new leases.",
+    )
 
 
 class LeasedItemOut(BaseModel):
@@ -74,13 +91,6 @@ class LeaseOut(BaseModel):
     error: str | None = Field(None, description="Why the job failed or was cancelled.")
 
 
-class Delivery(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    id: int = Field(ge=1, le=ROW_INT_MAX)
-    delivery: int = Field(ge=1, le=ROW_INT_MAX)
-
-
 class AckRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -94,10 +104,14 @@ class RefusedAck(BaseModel):
 
 
 class AckOut(BaseModel):
-    acked: list[int]
+    acked: list[int] = Field(description="Items whose named delivery is acknowledged now.")
+    repeated: list[int] = Field(
+        description="Of acked: deliveries this consumer had acknowledged in an earlier call (a retry whose "
+        "answer was lost); accepted, not counted again."
+    )
     refused: list[RefusedAck] = Field(
-        description="Deliveries this consumer no longer holds (acknowledged before, or leased to another "
-        "consumer after this lease ran out)."
+        description="Deliveries this consumer does not hold (an older delivery of the item, or one leased "
+        "to another consumer after this lease ran out)."
     )
     deleted: int = Field(description="Shard files deleted (retention consume).")
 

@@ -109,7 +109,52 @@ def lease_items(
         )
         if result.rowcount:  # type: ignore[attr-defined]
             won.append(item_id)
-    if not won:
+    return leased_items(session, won)
+
+
+def held_unseen(
+    session: Session,
+    job_id: str,
+    consumer_id: str,
+    seen: set[tuple[int, int]],
+    limit: int,
+    lease_seconds: float,
+    now: float,
+) -> list[LeasedItem]:
+    """Deliveries this consumer holds under a live lease that it says it never received (the answer of the
+    lease call that took them was lost): handed back as the same delivery, their lease renewed from now."""
+    held = session.execute(
+        select(StreamItem.id, StreamItem.delivery)
+        .where(
+            StreamItem.job_id == job_id,
+            StreamItem.consumer_id == consumer_id,
+            StreamItem.acked_at.is_(None),
+            StreamItem.lease_expires >= now,
+        )
+        .order_by(StreamItem.unit_index)
+    ).all()
+    unseen = [(int(i), int(d)) for i, d in held if (int(i), int(d)) not in seen][:limit]
+    renewed: list[int] = []
+    for item_id, delivery in unseen:
+        result = session.execute(
+            update(StreamItem)
+            .where(
+                StreamItem.id == item_id,
+                StreamItem.consumer_id == consumer_id,
+                StreamItem.delivery == delivery,
+                StreamItem.acked_at.is_(None),
+            )
+            .values(lease_expires=now + lease_seconds)
+            .execution_options(synchronize_session=False)
+        )
+        if result.rowcount:  # type: ignore[attr-defined]
+            renewed.append(item_id)
+    return leased_items(session, renewed)
+
+
+def leased_items(session: Session, item_ids: list[int]) -> list[LeasedItem]:
+    """What a lease answer says of each item, in unit order."""
+    if not item_ids:
         return []
     rows = session.execute(
         select(
@@ -125,7 +170,7 @@ def lease_items(
             Shard.header_sha256,
         )
         .join(Shard, StreamItem.shard_id == Shard.id)
-        .where(StreamItem.id.in_(won))
+        .where(StreamItem.id.in_(item_ids))
         .order_by(StreamItem.unit_index)
     ).all()
     return [
@@ -152,6 +197,22 @@ def ack_item(session: Session, job_id: str, consumer_id: str, item_id: int, deli
     if not result.rowcount:  # type: ignore[attr-defined]
         return -1
     return int(session.scalar(select(StreamItem.bytes).where(StreamItem.id == item_id)) or 0)
+
+
+def acked_as(session: Session, job_id: str, consumer_id: str, item_id: int, delivery: int) -> bool:
+    """This very delivery was acknowledged by this consumer (an acknowledgement repeated by a retry)."""
+    return (
+        session.scalar(
+            select(StreamItem.id).where(
+                StreamItem.id == item_id,
+                StreamItem.job_id == job_id,
+                StreamItem.acked_by == consumer_id,
+                StreamItem.delivery == delivery,
+                StreamItem.acked_at.is_not(None),
+            )
+        )
+        is not None
+    )
 
 
 def count_acks(session: Session, consumer_id: str, items: int, nbytes: int) -> None:

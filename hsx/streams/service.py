@@ -104,8 +104,11 @@ class LeaseAnswer:
 @dataclass
 class AckAnswer:
     acked: list[int] = field(default_factory=list)
-    # Deliveries this consumer no longer holds (acknowledged already, or its lease ran out and the item went
-    # to another consumer): not counted, and the item's fate is the other delivery's.
+    # Of ``acked``: deliveries this consumer had acknowledged in an earlier call (a retry whose first answer
+    # was lost), accepted and not counted again.
+    repeated: list[int] = field(default_factory=list)
+    # Deliveries this consumer does not hold (another delivery of the item, or another consumer's): not
+    # counted, and the item's fate is the other delivery's.
     refused: list[dict[str, Any]] = field(default_factory=list)
     deleted: int = 0
 
@@ -153,7 +156,16 @@ class StreamService:
         self._job(job_id)
         return repo.list_consumers(self.session, job_id)
 
-    def lease(self, job_id: str, consumer_id: str, max_items: int) -> LeaseAnswer:
+    def lease(
+        self,
+        job_id: str,
+        consumer_id: str,
+        max_items: int,
+        seen: list[tuple[int, int]] | None = None,
+    ) -> LeaseAnswer:
+        """Up to ``max_items`` items. With ``seen`` (the deliveries the consumer has received and may
+        still hold), what it holds but never received comes first: the answer that leased it was lost (a
+        restart, a cut connection), and the consumer need not wait for the lease to run out."""
         job = self._job(job_id)
         consumer = self._consumer(job_id, consumer_id)
         now = time.time()
@@ -163,7 +175,17 @@ class StreamService:
             self.session.commit()
             return LeaseAnswer(job.state, [], False, job.error)
         repo.add_missing_items(self.session, job_id)
-        items = repo.lease_items(self.session, job_id, consumer.id, max_items, consumer.lease_seconds, now)
+        items = (
+            []
+            if seen is None
+            else repo.held_unseen(
+                self.session, job_id, consumer.id, set(seen), max_items, consumer.lease_seconds, now
+            )
+        )
+        if len(items) < max_items:
+            items += repo.lease_items(
+                self.session, job_id, consumer.id, max_items - len(items), consumer.lease_seconds, now
+            )
         end = (
             not items
             and job.state == JobState.succeeded.value
@@ -177,7 +199,9 @@ class StreamService:
 
     def ack(self, job_id: str, consumer_id: str, deliveries: list[tuple[int, int]]) -> AckAnswer:
         """Acknowledge deliveries (item id, delivery); in consume mode their shards are deleted once the
-        acknowledgement has committed, so a crash in between leaves a file to delete, never a lost one."""
+        acknowledgement has committed, so a crash in between leaves a file to delete, never a lost one. A
+        delivery this consumer acknowledged before is accepted again and counted once: a client retries an
+        acknowledgement whose answer it did not get, and must not be told that a committed one failed."""
         job = self._job(job_id)
         consumer = self._consumer(job_id, consumer_id)
         now = time.time()
@@ -185,20 +209,25 @@ class StreamService:
         nbytes = 0
         for item_id, delivery in deliveries:
             size = repo.ack_item(self.session, job_id, consumer.id, item_id, delivery, now)
-            if size < 0:
+            if size >= 0:
+                answer.acked.append(item_id)
+                nbytes += size
+            elif repo.acked_as(self.session, job_id, consumer.id, item_id, delivery):
+                # Its first acknowledgement committed and the answer was lost: a retry, counted once.
+                answer.acked.append(item_id)
+                answer.repeated.append(item_id)
+            else:
                 answer.refused.append(
                     {"id": item_id, "delivery": delivery, "reason": "not leased to this consumer"}
                 )
-            else:
-                answer.acked.append(item_id)
-                nbytes += size
-        repo.count_acks(self.session, consumer.id, len(answer.acked), nbytes)
+        fresh = len(answer.acked) - len(answer.repeated)
+        repo.count_acks(self.session, consumer.id, fresh, nbytes)
         repo.touch_consumer(self.session, consumer.id, now)
         self.session.commit()
         if retention_of(job.options) == CONSUME:
             answer.deleted = delete_acknowledged(self.session, job_id)
-            if answer.acked and job.state == JobState.running.value:
-                signal_room(self.settings, job_id, len(answer.acked))
+            if fresh and job.state == JobState.running.value:
+                signal_room(self.settings, job_id, fresh)
                 wake_workers(self.settings, self.session, job_id)
         return answer
 

@@ -8,13 +8,20 @@ deleted) once all its samples have been acknowledged. Iteration ends when the jo
 shard is acknowledged or leased to this stream's group (its DataLoader workers; pass the same ``group`` to
 every rank of a run); it raises :class:`JobStreamError` when the job failed or was cancelled,
 so a trainer never takes a failed job for the end of its data.
+
+An API that restarts, or a connection cut in between, is ridden out: connection errors and 5xx answers are
+retried with backoff for up to ``outage_seconds`` (4xx answers raise at once). Retrying is safe: a lease
+names the deliveries this worker has received (``seen``), so one whose answer was lost is handed over again
+at once, and an acknowledgement repeated for the same delivery is accepted once more and counted once.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -27,6 +34,12 @@ from hsx.streams.reader import item_samples, manifest_for
 Item = dict[str, Any]
 # (consumer id, item id, delivery, samples in the item): what an acknowledgement needs of a sample.
 StreamRef = tuple[str, int, int, int]
+log = logging.getLogger(__name__)
+# The API's bound on a lease's ``seen`` list (app/streams/schemas.py SEEN_MAX).
+SEEN_MAX = 1000
+# A received delivery is named in ``seen`` until this long after its lease ran out by this host's clock,
+# so a clock a little ahead of the API's never drops one the API still counts as held.
+SEEN_CLOCK_MARGIN_SECONDS = 300.0
 
 
 class JobStreamError(RuntimeError):
@@ -47,6 +60,7 @@ class JobStream(IterableDataset[Item]):
         poll_seconds: float = 0.5,
         verify_checksums: bool = True,
         timeout: float = 60.0,
+        outage_seconds: float = 600.0,
     ) -> None:
         super().__init__()
         self.api_url = api_url.rstrip("/")
@@ -61,6 +75,8 @@ class JobStream(IterableDataset[Item]):
         self.poll_seconds = poll_seconds
         self.verify_checksums = verify_checksums
         self.timeout = timeout
+        # How long an unreachable API (connection errors, 5xx) is retried before a call raises.
+        self.outage_seconds = outage_seconds
         # In the process that calls ack(): samples still to acknowledge per delivery.
         self._pending: dict[tuple[str, int, int], int] = {}
         self._client: httpx.Client | None = None
@@ -79,10 +95,27 @@ class JobStream(IterableDataset[Item]):
         return self._client
 
     def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
-        resp = self._http().request(method, f"/jobs/{self.job_id}{path}", json=body)
-        if resp.status_code >= 400:
-            raise JobStreamError(f"{method} {path}: {resp.status_code} {resp.text[:500]}")
-        return resp.json() if resp.content else None
+        """One API call; an unreachable API or a 5xx is retried with backoff for ``outage_seconds``."""
+        deadline = time.monotonic() + self.outage_seconds
+        pause = 0.2
+        while True:
+            try:
+                resp = self._http().request(method, f"/jobs/{self.job_id}{path}", json=body)
+            except httpx.TransportError as exc:
+                failure = f"{exc.__class__.__name__}: {exc}"
+            else:
+                if resp.status_code < 400:
+                    return resp.json() if resp.content else None
+                if resp.status_code < 500:
+                    raise JobStreamError(f"{method} {path}: {resp.status_code} {resp.text[:500]}")
+                failure = f"{resp.status_code} {resp.text[:500]}"
+            if time.monotonic() + pause > deadline:
+                raise JobStreamError(
+                    f"{method} {path}: the API failed for {self.outage_seconds:.0f} s: {failure}"
+                )
+            log.warning("%s %s failed (%s); retrying in %.1f s", method, path, failure, pause)
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)  # an API back from a restart is found within 2 s
 
     def _manifest(self) -> Manifest:
         """The job's layout, once it has started (its engine record is set when a worker starts it)."""
@@ -102,11 +135,14 @@ class JobStream(IterableDataset[Item]):
             body["lease_seconds"] = self.lease_seconds
         consumer = self._call("POST", "/consumers", body)["id"]
         manifest = self._manifest()
+        received: OrderedDict[tuple[int, int], float] = OrderedDict()  # delivery -> its lease's end
         while True:
-            answer = self._call("POST", f"/consumers/{consumer}/leases", {"max_items": 1})
+            body = {"max_items": 1, "seen": _seen(received)}
+            answer = self._call("POST", f"/consumers/{consumer}/leases", body)
             if answer["job_state"] in ("failed", "cancelled"):
                 raise JobStreamError(f"job {self.job_id} is {answer['job_state']}: {answer.get('error')}")
             for item in answer["items"]:
+                received[(int(item["id"]), int(item["delivery"]))] = float(item["lease_expires"])
                 ref: StreamRef = (consumer, int(item["id"]), int(item["delivery"]), int(item["samples"]))
                 for sample in item_samples(item, manifest, self.verify_checksums, raw_bf16=True):
                     out = _sample_item(sample, manifest.dtype == "BF16")
@@ -139,6 +175,15 @@ class JobStream(IterableDataset[Item]):
             answer = self._call("POST", f"/consumers/{consumer}/acks", {"items": items})
             acked += len(answer["acked"])
         return acked
+
+
+def _seen(received: OrderedDict[tuple[int, int], float]) -> list[dict[str, int]]:
+    """The received deliveries that may still be held, newest last, at most SEEN_MAX (oldest dropped)."""
+    now = time.time()
+    for key, expires in list(received.items()):
+        if expires + SEEN_CLOCK_MARGIN_SECONDS < now or len(received) > SEEN_MAX:
+            del received[key]
+    return [{"id": i, "delivery": d} for i, d in received]
 
 
 def _sample_item(sample: Any, bf16: bool) -> Item:
