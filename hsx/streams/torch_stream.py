@@ -22,7 +22,7 @@ import httpx
 from torch.utils.data import IterableDataset, get_worker_info
 
 from hsx.manifest import Manifest
-from hsx.streams.reader import item_samples, manifest_for
+from hsx.streams.reader import Source, item_samples, manifest_for
 
 Item = dict[str, Any]
 # (consumer id, item id, delivery, samples in the item): what an acknowledgement needs of a sample.
@@ -47,6 +47,7 @@ class JobStream(IterableDataset[Item]):
         poll_seconds: float = 0.5,
         verify_checksums: bool = True,
         timeout: float = 60.0,
+        source: Source = "auto",
     ) -> None:
         super().__init__()
         self.api_url = api_url.rstrip("/")
@@ -61,6 +62,9 @@ class JobStream(IterableDataset[Item]):
         self.poll_seconds = poll_seconds
         self.verify_checksums = verify_checksums
         self.timeout = timeout
+        # "auto": a shard's path where this host sees it, else its object (an item's uri, when the job is
+        # published to an object store); "file" or "s3" to insist on one.
+        self.source: Source = source
         # In the process that calls ack(): samples still to acknowledge per delivery.
         self._pending: dict[tuple[str, int, int], int] = {}
         self._client: httpx.Client | None = None
@@ -108,7 +112,7 @@ class JobStream(IterableDataset[Item]):
                 raise JobStreamError(f"job {self.job_id} is {answer['job_state']}: {answer.get('error')}")
             for item in answer["items"]:
                 ref: StreamRef = (consumer, int(item["id"]), int(item["delivery"]), int(item["samples"]))
-                for sample in item_samples(item, manifest, self.verify_checksums, raw_bf16=True):
+                for sample in item_samples(item, manifest, self.verify_checksums, True, self.source):
                     out = _sample_item(sample, manifest.dtype == "BF16")
                     out["stream_ref"] = ref
                     yield out
