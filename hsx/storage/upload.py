@@ -17,7 +17,7 @@ the manifest itself, last, so a reader that finds the manifest finds every objec
 
 The call: ``upload_output(Path(job.output_dir), f"{output_uri}/{job.id}", settings)``; it returns an
 :class:`UploadReport` or raises :class:`~hsx.storage.s3.StorageError` (or the loader's error for a damaged
-shard).
+shard). A running job is published object by object through the same uploads (:mod:`hsx.storage.publish`).
 """
 
 from __future__ import annotations
