@@ -172,6 +172,7 @@ def publish_stragglers(settings: Settings, job_id: str, now: float) -> int:
 
 
 def _record(db_url: str, shard_id: int, destination: str, relative: str, settings: Settings) -> None:
+    from hsx.storage import StorageError
     from hsx.storage.publish import delete_objects
     from hsx.streams import repository as stream_repo
 
@@ -184,7 +185,10 @@ def _record(db_url: str, shard_id: int, destination: str, relative: str, setting
     if retry_db(mark):
         # Recorded by another publisher, acknowledged and deleted before this upload finished: this
         # upload put it back, so it goes again (nothing unacknowledged is ever deleted).
-        delete_objects(destination, [relative], settings)
+        try:
+            delete_objects(destination, [relative], settings)
+        except StorageError as exc:  # an object left over costs storage, never a sample
+            log.warning("%s/%s was acknowledged and put back; not deleted: %s", destination, relative, exc)
 
 
 def _recorded(db_url: str, shard_id: int) -> bool:
