@@ -140,8 +140,9 @@ class Settings(BaseSettings):
     # Trainer-format exports made through the API: one folder per export, with its status file beside it.
     exports_dir: Path = Path("")  # empty: data_dir / "exports"
 
-    # Besides the output directory, publish each finished job to <output_uri>/<job_id> (s3://bucket/prefix;
-    # the bucket must be in allowed_buckets). A job succeeds only once every object is confirmed there.
+    # Besides the output directory, publish each job submitted while this is set to <output_uri>/<job_id>
+    # (s3://bucket/prefix; the bucket must be in allowed_buckets), a shard as its unit commits and the
+    # manifest last. A job succeeds only once every object is confirmed there.
     output_uri: str = ""
     # Streaming (docs/streaming.md): what a consume job may hold committed but unacknowledged, plus what its
     # workers have in flight, unless the job names its own buffer_cap_bytes; and how long a consumer keeps

@@ -16,6 +16,7 @@ import torch
 from hsx.loader import iter_samples
 from hsx.settings import Settings
 from hsx.storage import OutputBucketNotAllowed, OutputUriRefused, StorageError, UploadEvent, upload_output
+from hsx.storage.upload import ObjectReport
 from tests.fixtures.outputs import OutputSpec, write_output
 from tests.fixtures.s3 import MIN_PART_BYTES, S3Bucket
 
@@ -172,3 +173,38 @@ def test_a_process_killed_mid_upload_publishes_nothing_and_a_second_run_finishes
     assert s3_bucket.keys(prefix + "/")[-1] == f"{prefix}/shards/shard-00002.safetensors"
     assert f"{prefix}/manifest.json" in s3_bucket.keys(prefix + "/")
     assert same_samples(output, download(s3_bucket, prefix, tmp_path / "copy"))
+
+
+def test_two_publishers_of_one_shard_both_succeed_with_one_whole_object(
+    s3_bucket: S3Bucket, output: Path, tmp_path: Path
+) -> None:
+    """The worker that committed a unit and the reconciler (or finalize) may put one shard at once: the
+    second continues the first's multipart upload and completes it, the first then finds its upload gone
+    and the object confirmed, and both succeed. A destination holding another output's manifest refuses a
+    shard that is not there yet."""
+    from hsx.storage.publish import put_manifest, put_shard
+
+    settings = settings_for(s3_bucket, tmp_path)
+    uri = f"s3://{s3_bucket.name}/runs/job-4"
+    relative = "shards/shard-00000.safetensors"
+    other: list[ObjectReport] = []
+
+    def interloper(event: UploadEvent) -> None:
+        if event.kind == "part" and event.part == 2 and not other:
+            other.append(put_shard(output / relative, relative, uri, settings))
+
+    first = put_shard(output / relative, relative, uri, settings, progress=interloper)
+    assert other[0].parts_reused == 2 and not other[0].already_there  # it continued the first's upload
+    assert first.already_there and first.parts_uploaded == 2  # ... which the first found complete
+    assert open_uploads(s3_bucket) == []
+    assert s3_bucket.keys("runs/job-4/") == [f"runs/job-4/{relative}"]
+    body = s3_bucket.client().get_object(Bucket=s3_bucket.name, Key=f"runs/job-4/{relative}")["Body"].read()
+    assert body == (output / relative).read_bytes()
+
+    elsewhere = tmp_path / "other-out"
+    write_output(elsewhere, OutputSpec(seed=5))
+    put_manifest(elsewhere, f"s3://{s3_bucket.name}/taken", settings)
+    with pytest.raises(StorageError) as caught:
+        put_shard(output / relative, relative, f"s3://{s3_bucket.name}/taken", settings)
+    assert caught.value.error == "destination_holds_another_output"
+    assert s3_bucket.keys("taken/") == ["taken/manifest.json"]

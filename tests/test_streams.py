@@ -247,10 +247,9 @@ def test_a_worker_at_the_cap_blocks_until_an_acknowledgement_then_goes_on(
 
 
 def test_a_file_an_acknowledgement_left_behind_goes_at_the_next_call_and_nothing_else_does(
-    synth: tuple[Stack, Synthetic], monkeypatch: pytest.MonkeyPatch
+    synth: tuple[Stack, Synthetic],
 ) -> None:
     from hsx.db.session import session_scope
-    from hsx.settings import get_settings
     from hsx.streams import repository
 
     stack, engine = synth
@@ -265,11 +264,6 @@ def test_a_file_an_acknowledgement_left_behind_goes_at_the_next_call_and_nothing
     assert Path(first["path"]).exists()
     assert lease(stack, job_id, reader)["items"] == []
     assert not Path(first["path"]).exists() and Path(second["path"]).exists()
-    # A store that gets its output only at finalize cannot take a consume job: refused, saying why.
-    monkeypatch.setenv("HSX_OUTPUT_URI", "s3://bucket/prefix")
-    get_settings.cache_clear()
-    refused = stack.client.post("/jobs", json={"dataset_uri": str(data), "options": {"retention": "consume"}})
-    assert refused.status_code == 400 and refused.json()["error"] == "consume_not_published", refused.text
 
 
 def test_a_retried_acknowledgement_counts_once_and_a_lease_whose_answer_was_lost_comes_back_at_once(

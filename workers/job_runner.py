@@ -38,6 +38,7 @@ from hsx.job_options import JobOptions
 from hsx.jobs import engines_met, queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
+from hsx.jobs.publication import publish_committed
 from hsx.jobs.queue import wake_idle_workers
 from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
@@ -383,6 +384,7 @@ class JobRunner:
         telemetry.unit_finished("committed" if committed else "lease_lost")
         if not committed:
             return Outcome(f"unit {unit.unit_index} lease lost; nothing committed", True)
+        publish_committed(self.db_url, self.job_id, unit.id, self.settings)  # a no-op without output_uri
         timing = {
             "waiting_s": result.waiting_s,
             "copying_s": result.copying_s,

@@ -17,6 +17,7 @@ from hsx.db.session import session_scope
 from hsx.jobs import queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
+from hsx.jobs.publication import publish_stragglers
 from hsx.jobs.queue import wake_idle_workers
 from hsx.layout import parse_staged_shard_name
 from hsx.settings import Settings
@@ -50,7 +51,7 @@ def expire_leases_of(db_url: str, owner: str, reason: str = "", max_failures: in
 def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, int]:
     now = time.time() if now is None else now
     db_url = settings.resolved_database_url
-    stats = {"woken": 0, "finalized": 0, "temp_removed": 0, "dumps_removed": 0}
+    stats = {"woken": 0, "finalized": 0, "published": 0, "temp_removed": 0, "dumps_removed": 0}
     with session_scope(db_url) as session:
         job_ids = queries.active_job_ids(session)
     for job_id in job_ids:
@@ -62,6 +63,8 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
             claimable = stream_service.wakeable_units(session, job_id, settings, now)
             live = queries.live_lease_count(session, job_id, now)
             leased = {(u.unit_index, u.attempt) for u in queries.leased_units(session, job_id)}
+        if state == JobState.running.value:
+            stats["published"] += publish_stragglers(settings, job_id, now)
         if (
             state == JobState.running.value
             and claimable == 0

@@ -26,6 +26,7 @@ from hsx.job_options import JobOptions
 from hsx.jobs import queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import MANIFEST_NAME
+from hsx.jobs.publication import new_destination
 from hsx.jobs.queue import enqueue_wakeups
 from hsx.jobs.repository import LiveCounts
 from hsx.settings import Settings
@@ -73,12 +74,6 @@ class JobService:
         # by a worker. A local dataset is vetted and its head read; a remote one is checked without transfer.
         dataset_path = inspect_dataset(body.dataset_uri, self.settings).dataset_path
         self._check_engine(options)
-        if options.retention == "consume" and self.settings.output_uri:
-            raise BadRequest(
-                "retention=consume is not published to HSX_OUTPUT_URI (publication is at finalize, and "
-                "consumed shards are gone by then); stream it, or submit with retention=keep",
-                error="consume_not_published",
-            )
         job_id = str(uuid.uuid4())
         job = Job(
             id=job_id,
@@ -89,6 +84,7 @@ class JobService:
             idempotency_key=key,
             request_hash=digest,
             output_dir=str(self.settings.resolved_output_dir / job_id),
+            output_uri=new_destination(job_id, self.settings),
             samples_total=0,
             units_total=0,
         )

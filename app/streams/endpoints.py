@@ -77,6 +77,7 @@ def lease(
                 delivery=i.delivery,
                 unit_index=i.unit_index,
                 path=i.path,
+                uri=i.uri,
                 sha256=i.sha256,
                 header_sha256=i.header_sha256,
                 bytes=i.bytes,

@@ -73,7 +73,12 @@ class LeasedItemOut(BaseModel):
     id: int
     delivery: int = Field(description="Name it when acknowledging: a later delivery of the item is another.")
     unit_index: int
-    path: str
+    path: str = Field(description="On the workers' filesystem (read it where that is shared).")
+    uri: str | None = Field(
+        None,
+        description="s3://bucket/key of the shard in the job's object store (HSX_OUTPUT_URI): an item of "
+        "such a job is handed out only once its object is there.",
+    )
     sha256: str = Field(description="Of the shard's data section (docs/format.md).")
     header_sha256: str | None = Field(description="Of its length prefix and header.")
     bytes: int

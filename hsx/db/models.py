@@ -69,6 +69,10 @@ class Job(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True, nullable=True)
     request_hash: Mapped[str] = mapped_column(String(64))
     output_dir: Mapped[str] = mapped_column(Text)
+    # Where the output is published in the object store, s3://bucket/prefix/<job id>, fixed at submission
+    # from HSX_OUTPUT_URI: "" for none; NULL for a job submitted before this was recorded (the setting
+    # then decides at finalize, as it did).
+    output_uri: Mapped[str | None] = mapped_column(Text, nullable=True)
     # What the engine reported when the job started; later workers must match it.
     engine: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -149,6 +153,9 @@ class Shard(Base):
     samples: Mapped[int] = mapped_column(Integer)
     tokens: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Epoch seconds at which the shard was confirmed in the job's object store (its output_uri); a consumer
+    # is handed a shard of such a job only from then on.
+    published_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Rejection(Base):

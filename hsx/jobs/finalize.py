@@ -12,8 +12,10 @@ from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.job_options import JobOptions
 from hsx.jobs import queries
 from hsx.jobs import repository as repo
+from hsx.jobs.publication import PublicationFailed, crash_mid_publish, destination_of, publish_pending
 from hsx.layout import is_temp_name, parse_staged_shard_name
 from hsx.manifest import Counts, ShardEntry, job_manifest, relative_shard_path
+from hsx.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
             ],
             extra={"dataset_uri": job.dataset_uri, "options": dict(job.options)},
         )
-        published_to = _destination(job_id)
+        published_to = destination_of(job, get_settings())
         if published_to:
             manifest.extra["published_to"] = published_to
         try:
@@ -71,9 +73,10 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
                 log.error("job %s failed: %s", job_id, reason)
             return True
         if published_to:
-            # Succeeded only once every object is confirmed in the store; the upload resumes where it
-            # stopped, so a crash here is repaired by the next finalize (a worker's, or the reconciler's).
-            problem = _publish(out, published_to)
+            # Succeeded only once every object is confirmed in the store. Shards went up as their units
+            # committed; what is left (a publisher that died) goes now, then the manifest. Every upload
+            # resumes where it stopped, so a crash here is repaired by the next finalize.
+            problem = _publish(db_url, job_id, out, published_to)
             if problem is not None:
                 if repo.set_job_state(
                     session, job_id, JobState.failed, [JobState.running.value], error=problem
@@ -86,33 +89,24 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
     return True
 
 
-def _destination(job_id: str) -> str:
-    """Where a finished job's output is published besides its output directory (``HSX_OUTPUT_URI``)."""
-    from hsx.settings import get_settings
+def _publish(db_url: str, job_id: str, out: Path, destination: str) -> str | None:
+    """Upload what is left, the manifest last; None when every object is confirmed, else why not (the job
+    then fails). An unreachable store raises instead, so the job stays running and the next finalize
+    tries again."""
+    from hsx.storage import StorageError
+    from hsx.storage.publish import put_manifest
 
-    base = get_settings().output_uri.rstrip("/")
-    return f"{base}/{job_id}" if base else ""
-
-
-def _publish(out: Path, destination: str) -> str | None:
-    """Upload the output; None when every object is confirmed, else why not (the job then fails). An
-    unreachable store raises instead, so the job stays running and the next finalize tries again."""
-    from hsx.faults import crash_point
-    from hsx.settings import get_settings
-    from hsx.storage import StorageError, UploadEvent, upload_output
-
-    def progress(event: UploadEvent) -> None:
-        if event.kind == "object":
-            crash_point("mid_publish")
-
+    settings = get_settings()
     try:
-        report = upload_output(out, destination, get_settings(), progress=progress)
+        done = publish_pending(db_url, job_id, settings)
+        done.add(put_manifest(out, destination, settings, progress=crash_mid_publish))
+    except PublicationFailed as exc:
+        return exc.reason
     except StorageError as exc:
         if exc.error == "unreachable":
             raise
         return f"could not publish the output to {destination}: {exc.detail}"
-    reused = sum(1 for item in report.objects if item.already_there)
-    log.info("published %d objects to %s (%d already there)", len(report.objects), destination, reused)
+    log.info("published %s to %s", done, destination)
     return None
 
 

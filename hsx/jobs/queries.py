@@ -122,6 +122,18 @@ def list_shards(session: Session, job_id: str) -> list[Shard]:
     return list(session.scalars(_shards_in_order(job_id)).all())
 
 
+def unpublished_shards(session: Session, job_id: str, unit_id: int | None = None) -> list[Shard]:
+    """Shards not yet confirmed in the job's object store (all, or one unit's), in unit order."""
+    query = _shards_in_order(job_id).where(Shard.published_at.is_(None))
+    if unit_id is not None:
+        query = query.where(Shard.unit_id == unit_id)
+    return list(session.scalars(query).all())
+
+
+def shard_published(session: Session, shard_id: int) -> bool:
+    return session.scalar(select(Shard.published_at).where(Shard.id == shard_id)) is not None
+
+
 def shard_page(session: Session, job_id: str, limit: int, offset: int) -> Page[Shard]:
     return paginate(session, _shards_in_order(job_id), limit, offset)
 

@@ -303,6 +303,17 @@ def unit_committed_by(session: Session, unit: ClaimedUnit) -> bool:
     return row is not None and row[0] == UnitState.done.value and row[1] == unit.attempt
 
 
+def mark_published(session: Session, shard_id: int, now: float) -> bool:
+    """Record that a shard is confirmed in the object store; False when another publisher did first."""
+    result = session.execute(
+        update(Shard)
+        .where(Shard.id == shard_id, Shard.published_at.is_(None))
+        .values(published_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
 def commit_unit(
     session: Session,
     unit: ClaimedUnit,

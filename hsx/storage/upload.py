@@ -17,7 +17,7 @@ the manifest itself, last, so a reader that finds the manifest finds every objec
 
 The call: ``upload_output(Path(job.output_dir), f"{output_uri}/{job.id}", settings)``; it returns an
 :class:`UploadReport` or raises :class:`~hsx.storage.s3.StorageError` (or the loader's error for a damaged
-shard).
+shard). A running job is published object by object through the same uploads (:mod:`hsx.storage.publish`).
 """
 
 from __future__ import annotations
@@ -228,10 +228,15 @@ def _put(
                     raise StorageError(
                         f"{where} does not match the local file after upload", error="upload_mismatch"
                     )
-    except StorageError:
-        raise
     except Exception as exc:
-        raise storage_error(exc, where) from exc
+        # Two publishers of one key (the worker that committed a unit and the reconciler or finalize) may
+        # complete or abort the upload the other continues: an object confirmed now is the other's success.
+        if _confirmed_quietly(client, bucket, key, digest):
+            report.already_there = True
+        elif isinstance(exc, StorageError):
+            raise
+        else:
+            raise storage_error(exc, where) from exc
     if progress is not None:
         progress(UploadEvent("object", key, digest.parts, digest.parts))
     return report
@@ -276,6 +281,13 @@ def _confirmed(client: Any, bucket: str, key: str, digest: LocalDigest) -> bool:
     if server_sha:
         return bool(server_sha.split("-")[0] == digest.expected_sha256())
     return bool(str(head.get("ETag", "")).strip('"') == digest.expected_etag())
+
+
+def _confirmed_quietly(client: Any, bucket: str, key: str, digest: LocalDigest) -> bool:
+    try:
+        return _confirmed(client, bucket, key, digest)
+    except Exception:  # noqa: BLE001 - asked after a failure: an error here only means "not confirmed"
+        return False
 
 
 def _open_upload(client: Any, bucket: str, key: str) -> str | None:

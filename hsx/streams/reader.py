@@ -1,17 +1,23 @@
 """Reading a streamed shard before its job has a manifest: the job's engine record (``GET /jobs/{id}``'s
 ``engine``) says what finalize would write in the manifest, so a shard handed out by a lease is checked and
-read exactly as the loader reads a finished job's."""
+read exactly as the loader reads a finished job's, from the workers' filesystem or from the object store
+the job is published to."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.job_options import JobOptions
-from hsx.loader import Sample, ShardView
+from hsx.loader import LoaderError, Sample, ShardView
 from hsx.manifest import Manifest, ShardEntry, job_manifest
+
+# Where a consumer reads an item: its path, its object in the store, or the path when it can see it.
+Source = Literal["auto", "file", "s3"]
 
 
 def manifest_for(job: Mapping[str, Any]) -> Manifest:
@@ -21,8 +27,12 @@ def manifest_for(job: Mapping[str, Any]) -> Manifest:
     return job_manifest(str(job["id"]), job["engine"], fp8=options.state_dtype == STATE_DTYPE_OPTION)
 
 
-def open_item(item: dict[str, Any], manifest: Manifest, verify: bool = True) -> ShardView:
-    """A leased item's shard (a ``POST .../leases`` item), checked against the item's checksums."""
+def open_item(
+    item: dict[str, Any], manifest: Manifest, verify: bool = True, source: Source = "auto"
+) -> ShardView:
+    """A leased item's shard (a ``POST .../leases`` item), checked against the item's checksums. Read from
+    its ``path``, or from the object store at its ``uri`` (``source="s3"``; ``"auto"``: when the path is
+    not there, as on another host than the workers')."""
     entry = ShardEntry(
         path=Path(item["path"]).name,
         sha256=str(item["sha256"]),
@@ -31,12 +41,34 @@ def open_item(item: dict[str, Any], manifest: Manifest, verify: bool = True) -> 
         tokens=int(item["tokens"]),
         header_sha256=item.get("header_sha256"),
     )
-    return ShardView(Path(item["path"]), entry, manifest, verify)
+    if source == "file" or (source == "auto" and (not item.get("uri") or Path(item["path"]).exists())):
+        return ShardView(Path(item["path"]), entry, manifest, verify)
+    if not item.get("uri"):
+        raise LoaderError(f"item {item.get('id')} has no uri: its job is not published to an object store")
+    with tempfile.TemporaryDirectory(prefix="hsx-item-") as scratch:
+        copy = Path(scratch) / entry.path
+        _download(str(item["uri"]), copy)
+        return ShardView(copy, entry, manifest, verify)  # mapped: the copy may go once it is open
+
+
+def _download(uri: str, target: Path) -> None:
+    from hsx.settings import get_settings
+    from hsx.storage.s3 import s3_client, storage_error
+
+    parts = urlsplit(uri)
+    try:
+        s3_client(get_settings()).download_file(parts.netloc, parts.path.lstrip("/"), str(target))
+    except Exception as exc:
+        raise storage_error(exc, uri) from exc
 
 
 def item_samples(
-    item: dict[str, Any], manifest: Manifest, verify: bool = True, raw_bf16: bool = False
+    item: dict[str, Any],
+    manifest: Manifest,
+    verify: bool = True,
+    raw_bf16: bool = False,
+    source: Source = "auto",
 ) -> Iterator[Sample]:
-    view = open_item(item, manifest, verify)
+    view = open_item(item, manifest, verify, source)
     for k in range(len(view)):
         yield view.sample(k, raw_bf16)

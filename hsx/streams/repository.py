@@ -28,6 +28,7 @@ class LeasedItem:
     samples: int
     tokens: int
     header_sha256: str | None
+    uri: str | None = None  # where the shard is in the job's object store, when the job publishes there
 
 
 @dataclass(frozen=True)
@@ -87,14 +88,25 @@ def _leasable(now: float) -> ColumnElement[bool]:
     )
 
 
+def _published() -> ColumnElement[bool]:
+    return exists().where(Shard.id == StreamItem.shard_id, Shard.published_at.is_not(None))
+
+
 def lease_items(
-    session: Session, job_id: str, consumer_id: str, limit: int, lease_seconds: float, now: float
+    session: Session,
+    job_id: str,
+    consumer_id: str,
+    limit: int,
+    lease_seconds: float,
+    now: float,
+    published_only: bool = False,
 ) -> list[LeasedItem]:
-    """Lease up to ``limit`` items in unit order: committed, unacknowledged, under no live lease. Each
-    lease is a compare-and-set on the item's delivery, so two consumers never both win one item."""
+    """Lease up to ``limit`` items in unit order: committed, unacknowledged, under no live lease (and, with
+    ``published_only``, confirmed in the object store). Each lease is a compare-and-set on the item's
+    delivery, so two consumers never both win one item."""
     candidates = session.execute(
         select(StreamItem.id, StreamItem.delivery)
-        .where(StreamItem.job_id == job_id, _leasable(now))
+        .where(StreamItem.job_id == job_id, _leasable(now), *([_published()] if published_only else []))
         .order_by(StreamItem.unit_index)
         .limit(limit)
         .with_for_update(skip_locked=True)
@@ -244,6 +256,17 @@ def acked_undeleted(session: Session, job_id: str) -> list[tuple[int, str]]:
         .where(StreamItem.job_id == job_id, StreamItem.acked_at.is_not(None), StreamItem.deleted_at.is_(None))
     ).all()
     return [(int(item_id), str(path)) for item_id, path in rows]
+
+
+def shard_deleted(session: Session, shard_id: int) -> bool:
+    """Whether the shard's item was acknowledged and its copies deleted (consume retention)."""
+    return bool(
+        session.scalar(
+            select(func.count())
+            .select_from(StreamItem)
+            .where(StreamItem.shard_id == shard_id, StreamItem.deleted_at.is_not(None))
+        )
+    )
 
 
 def mark_deleted(session: Session, item_ids: Sequence[int], now: float) -> None:

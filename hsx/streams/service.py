@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from hsx.errors import Conflict, NotFound
 from hsx.job_options import JobOptions
 from hsx.jobs import queries as job_queries
 from hsx.jobs import repository as jobs_repo
+from hsx.jobs.publication import destination_of, shard_key, shard_uri
 from hsx.settings import Settings
 from hsx.streams import repository as repo
 from hsx.streams.contract import CONSUME, Budget
@@ -175,6 +176,8 @@ class StreamService:
             self.session.commit()
             return LeaseAnswer(job.state, [], False, job.error)
         repo.add_missing_items(self.session, job_id)
+        # A job published to an object store hands out a shard once it is there, and says where.
+        destination = destination_of(job, self.settings)
         items = (
             []
             if seen is None
@@ -184,8 +187,16 @@ class StreamService:
         )
         if len(items) < max_items:
             items += repo.lease_items(
-                self.session, job_id, consumer.id, max_items - len(items), consumer.lease_seconds, now
+                self.session,
+                job_id,
+                consumer.id,
+                max_items - len(items),
+                consumer.lease_seconds,
+                now,
+                bool(destination),
             )
+        if destination:
+            items = [replace(i, uri=shard_uri(destination, job.output_dir, i.path)) for i in items]
         end = (
             not items
             and job.state == JobState.succeeded.value
@@ -194,7 +205,7 @@ class StreamService:
         self.session.commit()
         if retention_of(job.options) == CONSUME:
             # Files an acknowledgement could not delete (a crash between its commit and the unlink).
-            delete_acknowledged(self.session, job_id)
+            delete_acknowledged(self.session, job, self.settings)
         return LeaseAnswer(job.state, items, end, job.error)
 
     def ack(self, job_id: str, consumer_id: str, deliveries: list[tuple[int, int]]) -> AckAnswer:
@@ -225,7 +236,7 @@ class StreamService:
         repo.touch_consumer(self.session, consumer.id, now)
         self.session.commit()
         if retention_of(job.options) == CONSUME:
-            answer.deleted = delete_acknowledged(self.session, job_id)
+            answer.deleted = delete_acknowledged(self.session, job, self.settings)
             if fresh and job.state == JobState.running.value:
                 signal_room(self.settings, job_id, fresh)
                 wake_workers(self.settings, self.session, job_id)
@@ -241,13 +252,27 @@ class StreamService:
         return released
 
 
-def delete_acknowledged(session: Session, job_id: str) -> int:
-    """Delete the shard files of acknowledged items (and only those), then record that they are gone."""
-    gone: list[int] = []
-    for item_id, path in repo.acked_undeleted(session, job_id):
+def delete_acknowledged(session: Session, job: Job, settings: Settings) -> int:
+    """Delete the shard files of acknowledged items (and only those), and their objects when the job is
+    published to an object store, then record that they are gone. An object the store would not delete
+    stays recorded as not gone, so the next lease or acknowledgement call tries again."""
+    acked = repo.acked_undeleted(session, job.id)
+    for _item_id, path in acked:
         with contextlib.suppress(FileNotFoundError):
             Path(path).unlink()
-        gone.append(item_id)
+    gone = [item_id for item_id, _path in acked]
+    destination = destination_of(job, settings)
+    if destination and acked:
+        from hsx.storage import StorageError
+        from hsx.storage.publish import delete_objects
+
+        relative = {shard_key(job.output_dir, path): item_id for item_id, path in acked}
+        try:
+            deleted = set(delete_objects(destination, list(relative), settings))
+        except StorageError as exc:
+            log.warning("job %s: acknowledged objects not deleted yet: %s", job.id, exc)
+            deleted = set()
+        gone = [item_id for key, item_id in relative.items() if key in deleted]
     repo.mark_deleted(session, gone, time.time())
     session.commit()
     return len(gone)

@@ -29,7 +29,7 @@ import httpx
 from torch.utils.data import IterableDataset, get_worker_info
 
 from hsx.manifest import Manifest
-from hsx.streams.reader import item_samples, manifest_for
+from hsx.streams.reader import Source, item_samples, manifest_for
 
 Item = dict[str, Any]
 # (consumer id, item id, delivery, samples in the item): what an acknowledgement needs of a sample.
@@ -61,6 +61,7 @@ class JobStream(IterableDataset[Item]):
         verify_checksums: bool = True,
         timeout: float = 60.0,
         outage_seconds: float = 600.0,
+        source: Source = "auto",
     ) -> None:
         super().__init__()
         self.api_url = api_url.rstrip("/")
@@ -77,6 +78,9 @@ class JobStream(IterableDataset[Item]):
         self.timeout = timeout
         # How long an unreachable API (connection errors, 5xx) is retried before a call raises.
         self.outage_seconds = outage_seconds
+        # "auto": a shard's path where this host sees it, else its object (an item's uri, when the job is
+        # published to an object store); "file" or "s3" to insist on one.
+        self.source: Source = source
         # In the process that calls ack(): samples still to acknowledge per delivery.
         self._pending: dict[tuple[str, int, int], int] = {}
         self._client: httpx.Client | None = None
@@ -144,7 +148,7 @@ class JobStream(IterableDataset[Item]):
             for item in answer["items"]:
                 received[(int(item["id"]), int(item["delivery"]))] = float(item["lease_expires"])
                 ref: StreamRef = (consumer, int(item["id"]), int(item["delivery"]), int(item["samples"]))
-                for sample in item_samples(item, manifest, self.verify_checksums, raw_bf16=True):
+                for sample in item_samples(item, manifest, self.verify_checksums, True, self.source):
                     out = _sample_item(sample, manifest.dtype == "BF16")
                     out["stream_ref"] = ref
                     yield out
