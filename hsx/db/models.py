@@ -187,3 +187,9 @@ class Truncation(Base):
     record_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
     tokens: Mapped[int] = mapped_column(Integer)  # before the cut
     kept: Mapped[int] = mapped_column(Integer)
+
+
+# The stream tables live with the stream code but belong to the same schema: importing them here puts them
+# in Base.metadata wherever the models are imported (migrations, the schema comparison), not only where the
+# stream code happens to have been imported first.
+import hsx.streams.models  # noqa: E402, F401
