@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,11 +93,26 @@ def test_a_cancelled_job_raises_rather_than_ending_the_stream(synth: tuple[Stack
                 pass
 
 
-def test_the_stream_retries_an_unreachable_api_for_its_outage_window_and_a_4xx_not_at_all() -> None:
+def _stream_client(kind: str, api: str, outage_seconds: float, tmp: Path) -> tuple[Any, type[Exception]]:
+    """The trainer's JobStream or the SpecForge publisher: both call the API through one retry rule."""
+    if kind == "trainer":
+        from hsx.torch_data import JobStream, JobStreamError
+
+        return JobStream(api, "j", token="t", outage_seconds=outage_seconds), JobStreamError
+    from hsx.streams.specforge_publisher import PublishError, SpecForgePublisher
+
+    publisher = SpecForgePublisher(
+        api, "j", tmp / "refs.jsonl", tmp / "store", "s", token="t", outage_seconds=outage_seconds
+    )
+    return publisher, PublishError
+
+
+@pytest.mark.parametrize("kind", ["trainer", "specforge_publisher"])
+def test_stream_clients_retry_an_unreachable_api_for_their_outage_window_and_a_4xx_not_at_all(
+    kind: str, tmp_path: Path
+) -> None:
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
-
-    from hsx.torch_data import JobStream, JobStreamError
 
     calls = {"flaky": 0, "gone": 0, "down": 0}
     app = FastAPI()
@@ -117,14 +133,15 @@ def test_the_stream_retries_an_unreachable_api_for_its_outage_window_and_a_4xx_n
         return JSONResponse({"error": "internal"}, status_code=500)
 
     with serve_in_thread(app) as api:
-        stream = JobStream(api, "j", token="t", outage_seconds=2)
-        assert stream._call("POST", "/flaky", {}) == {"ok": 3} and calls["flaky"] == 3
-        with pytest.raises(JobStreamError, match="404"):
-            stream._call("POST", "/gone", {})
+        client, failure = _stream_client(kind, api, 2, tmp_path)
+        assert client._call("POST", "/flaky", {}) == {"ok": 3} and calls["flaky"] == 3
+        with pytest.raises(failure, match="404"):
+            client._call("POST", "/gone", {})
         assert calls["gone"] == 1
-        with pytest.raises(JobStreamError, match="failed for 2 s: 500"):
-            stream._call("POST", "/down", {})
+        with pytest.raises(failure, match="failed for 2 s: 500"):
+            client._call("POST", "/down", {})
         assert calls["down"] >= 3
     # Nothing listens any more: connection errors are retried too, then raise.
-    with pytest.raises(JobStreamError, match="ConnectError"):
-        JobStream(api, "j", token="t", outage_seconds=0.5)._call("POST", "/flaky", {})
+    client, failure = _stream_client(kind, api, 0.5, tmp_path)
+    with pytest.raises(failure, match="ConnectError"):
+        client._call("POST", "/flaky", {})

@@ -29,6 +29,7 @@ import httpx
 
 from hsx.manifest import Manifest
 from hsx.streams import specforge_layout as layout
+from hsx.streams.api_calls import call_api
 from hsx.streams.reader import item_samples, manifest_for
 from hsx.streams.specforge_cli import DEFAULT_LEASE_SECONDS, DEFAULT_WINDOW
 
@@ -70,6 +71,8 @@ class SpecForgePublisher:
     poll_seconds: float = 0.5
     verify_checksums: bool = True
     timeout: float = 60.0
+    # How long an unreachable API (connection errors, 5xx: a restart) is retried before the publish fails.
+    outage_seconds: float = 600.0
     name: str = "specforge-publisher"
     should_stop: Callable[[], bool] = field(default=lambda: False)
     # Where features go; default: SharedDirFeatureStore's layout under store_root/store_id.
@@ -86,19 +89,8 @@ class SpecForgePublisher:
 
     # -- the API ------------------------------------------------------------------------------------------
     def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
-        """One API call; a connection that fails (the API restarting) is tried again for a minute."""
-        deadline = time.monotonic() + 60.0
-        while True:
-            try:
-                resp = self._http.request(method, f"/jobs/{self.job_id}{path}", json=body)
-                break
-            except httpx.TransportError as exc:
-                if time.monotonic() > deadline:
-                    raise PublishError(f"{method} {path}: the API did not answer: {exc}") from exc
-                time.sleep(1.0)
-        if resp.status_code >= 400:
-            raise PublishError(f"{method} {path}: {resp.status_code} {resp.text[:500]}")
-        return resp.json() if resp.content else None
+        path = f"/jobs/{self.job_id}{path}"
+        return call_api(self._http, method, path, body, self.outage_seconds, PublishError)
 
     def _register(self) -> None:
         previous = self.channel.read_sidecar(layout.HSX_CONSUMER)

@@ -29,6 +29,7 @@ import httpx
 from torch.utils.data import IterableDataset, get_worker_info
 
 from hsx.manifest import Manifest
+from hsx.streams.api_calls import call_api
 from hsx.streams.reader import Source, item_samples, manifest_for
 
 Item = dict[str, Any]
@@ -99,27 +100,8 @@ class JobStream(IterableDataset[Item]):
         return self._client
 
     def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
-        """One API call; an unreachable API or a 5xx is retried with backoff for ``outage_seconds``."""
-        deadline = time.monotonic() + self.outage_seconds
-        pause = 0.2
-        while True:
-            try:
-                resp = self._http().request(method, f"/jobs/{self.job_id}{path}", json=body)
-            except httpx.TransportError as exc:
-                failure = f"{exc.__class__.__name__}: {exc}"
-            else:
-                if resp.status_code < 400:
-                    return resp.json() if resp.content else None
-                if resp.status_code < 500:
-                    raise JobStreamError(f"{method} {path}: {resp.status_code} {resp.text[:500]}")
-                failure = f"{resp.status_code} {resp.text[:500]}"
-            if time.monotonic() + pause > deadline:
-                raise JobStreamError(
-                    f"{method} {path}: the API failed for {self.outage_seconds:.0f} s: {failure}"
-                )
-            log.warning("%s %s failed (%s); retrying in %.1f s", method, path, failure, pause)
-            time.sleep(pause)
-            pause = min(pause * 2, 2.0)  # an API back from a restart is found within 2 s
+        path = f"/jobs/{self.job_id}{path}"
+        return call_api(self._http(), method, path, body, self.outage_seconds, JobStreamError)
 
     def _manifest(self) -> Manifest:
         """The job's layout, once it has started (its engine record is set when a worker starts it)."""
