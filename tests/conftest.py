@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,21 +42,44 @@ def pg_server_url() -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture(scope="session")
+def _sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A migrated, empty SQLite job table, made once a session: each test gets a copy of the file, which is
+    what running the migrations again would write, without their second or so a test."""
+    import sqlite3
+
+    from hsx.db.migrate import upgrade
+
+    path = tmp_path_factory.mktemp("sqlite-template") / "hsx.sqlite3"
+    upgrade(f"sqlite:///{path}")
+    # Fold the write-ahead log into the file, so that the file alone is the whole migrated database.
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def _pg_migrated(pg_server_url: str) -> str:
+    """The session's PostgreSQL database, migrated once; each test empties the tables after itself."""
+    from hsx.db.migrate import upgrade
+
+    upgrade(pg_server_url)
+    return pg_server_url
+
+
 @pytest.fixture(params=["postgres", "sqlite"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A migrated, empty job table on each backend."""
     from sqlalchemy import text
 
-    from hsx.db.migrate import upgrade
     from hsx.db.session import engine_for
 
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'hsx.sqlite3'}"
-        upgrade(url)
-        yield url
+        path = tmp_path / "hsx.sqlite3"
+        shutil.copyfile(request.getfixturevalue("_sqlite_template"), path)
+        yield f"sqlite:///{path}"
         return
-    url = request.getfixturevalue("pg_server_url")
-    upgrade(url)
+    url = request.getfixturevalue("_pg_migrated")
     yield url
     with engine_for(url).begin() as conn:
         conn.execute(text("TRUNCATE rejections, shards, work_units, jobs CASCADE"))
