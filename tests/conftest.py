@@ -94,6 +94,31 @@ def redis_url() -> str:
     return REDIS_URL
 
 
+# Modules whose tests run longest (worker processes, engine-bound jobs, fuzzing), collected first: xdist hands
+# tests out in collection order as workers free up, so the long ones start early and the short ones fill the
+# end instead of one worker finishing a soak alone. Whole modules move, so module fixtures stay contiguous.
+LONG_MODULES_FIRST = (
+    "test_faults.py",
+    "test_soak.py",
+    "test_fp8_jobs.py",
+    "test_api_security.py",
+    "test_jobs_e2e.py",
+    "test_export_trainers.py",
+    "test_metrics.py",
+    "test_specforge_stream.py",
+    "test_sglang_arch_matrix.py",
+    "test_multi_engine.py",
+    "test_job_options.py",
+    "test_s3_job.py",
+    "test_stream_faults.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a module kept
+
+
 # Skips seen in this run, by node id. Under xdist the workers' reports reach this hook in the controller too.
 _skipped: dict[str, str] = {}
 
