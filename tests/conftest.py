@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,21 +42,44 @@ def pg_server_url() -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture(scope="session")
+def _sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A migrated, empty SQLite job table, made once a session: each test gets a copy of the file, which is
+    what running the migrations again would write, without their second or so a test."""
+    import sqlite3
+
+    from hsx.db.migrate import upgrade
+
+    path = tmp_path_factory.mktemp("sqlite-template") / "hsx.sqlite3"
+    upgrade(f"sqlite:///{path}")
+    # Fold the write-ahead log into the file, so that the file alone is the whole migrated database.
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def _pg_migrated(pg_server_url: str) -> str:
+    """The session's PostgreSQL database, migrated once; each test empties the tables after itself."""
+    from hsx.db.migrate import upgrade
+
+    upgrade(pg_server_url)
+    return pg_server_url
+
+
 @pytest.fixture(params=["postgres", "sqlite"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A migrated, empty job table on each backend."""
     from sqlalchemy import text
 
-    from hsx.db.migrate import upgrade
     from hsx.db.session import engine_for
 
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'hsx.sqlite3'}"
-        upgrade(url)
-        yield url
+        path = tmp_path / "hsx.sqlite3"
+        shutil.copyfile(request.getfixturevalue("_sqlite_template"), path)
+        yield f"sqlite:///{path}"
         return
-    url = request.getfixturevalue("pg_server_url")
-    upgrade(url)
+    url = request.getfixturevalue("_pg_migrated")
     yield url
     with engine_for(url).begin() as conn:
         conn.execute(text("TRUNCATE rejections, shards, work_units, jobs CASCADE"))
@@ -67,6 +92,31 @@ def redis_url() -> str:
     if not Redis.from_url(REDIS_URL).ping():
         pytest.fail(f"Redis is not reachable at {REDIS_URL}")
     return REDIS_URL
+
+
+# Modules whose tests run longest (worker processes, engine-bound jobs, fuzzing), collected first: xdist hands
+# tests out in collection order as workers free up, so the long ones start early and the short ones fill the
+# end instead of one worker finishing a soak alone. Whole modules move, so module fixtures stay contiguous.
+LONG_MODULES_FIRST = (
+    "test_faults.py",
+    "test_soak.py",
+    "test_fp8_jobs.py",
+    "test_api_security.py",
+    "test_jobs_e2e.py",
+    "test_export_trainers.py",
+    "test_metrics.py",
+    "test_specforge_stream.py",
+    "test_sglang_arch_matrix.py",
+    "test_multi_engine.py",
+    "test_job_options.py",
+    "test_s3_job.py",
+    "test_stream_faults.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a module kept
 
 
 # Skips seen in this run, by node id. Under xdist the workers' reports reach this hook in the controller too.
