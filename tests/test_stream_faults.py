@@ -272,7 +272,8 @@ def test_the_api_killed_and_restarted_while_trainers_stream_loses_nothing_and_re
     # Both trainers met the dead API while they held a consumer, retried, and carried on.
     for record in records:
         text = (stack.tmp / f"{record.stem}.err").read_text()
-        assert re.search(r"POST /consumers/[0-9a-f-]{36}/(leases|acks) failed", text), trainer_errors(stack)
+        failed_call = r"POST /jobs/[0-9a-f-]{36}/consumers/[0-9a-f-]{36}/(leases|acks) failed"
+        assert re.search(failed_call, text), trainer_errors(stack)
     assert_streamed_exactly_once(stack, job_id, cap, watch.peak, *records)
 
 
