@@ -679,30 +679,45 @@ def test_disk_full_while_writing_the_manifest_fails_the_job_clearly(
 
 
 @postgres_only
-def test_a_crash_at_each_step_recovers_to_the_same_output(fast: Stack, baseline: Output) -> None:
-    """One worker per crash point, each crashing once there; seven jobs, each equal to the baseline."""
+def test_a_crash_at_each_step_recovers_to_the_same_output(
+    fast: Stack, baseline: Output, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One worker per crash point, each crashing once there; seven jobs, each equal to the baseline.
+
+    Each crashing worker listens on a queue of its own, without a reconciler, and its job is submitted
+    there: nothing else can hand its job to another worker or another job to it, so its first claim is
+    its own job's and it reaches its crash point. (On one shared queue, wake-ups from reconcilers and
+    preparing workers let some workers find nothing to claim and never crash.) A plain worker with the
+    reconciler joins once every crash has happened and, with the crashed workers, finishes the jobs."""
     from rq import Worker
 
     from hsx.faults import POINTS
     from hsx.jobs.queue import queue_for
+    from hsx.settings import get_settings
 
     markers = {point: fast.tmp / f"crashed-{point}" for point in POINTS}
+    queues = {point: f"{fast.env['HSX_QUEUE_NAME']}-{point}" for point in POINTS}
     for point, marker in markers.items():
-        fast.start_worker({"HSX_CRASH_AT": point, "HSX_CRASH_ONCE_FILE": str(marker)})
-    queue = queue_for(fast.settings)
-    # All listening before any work exists, so that each worker's first wake-up reaches its crash point.
-    wait_until(
-        lambda: sum(w.get_state() == "idle" for w in Worker.all(queue=queue)) == len(POINTS),
-        240,
-        "every worker to listen",
-        fast,
-    )
-    total = 2 * PER_SHARD  # two units a job: the first seven wake-ups each claim a unit
-    jobs = [submit(fast, total=total, name=f"chats-{i}.jsonl") for i in range(len(POINTS))]
+        crash = {"HSX_CRASH_AT": point, "HSX_CRASH_ONCE_FILE": str(marker), "HSX_QUEUE_NAME": queues[point]}
+        fast.start_worker(crash, args=("--no-reconciler",))
+
+    def listening(queue_name: str) -> bool:
+        queue = queue_for(fast.settings.model_copy(update={"queue_name": queue_name}))
+        return any(w.get_state() == "idle" for w in Worker.all(queue=queue))
+
+    # Listening before their jobs exist: a worker that starts looks for jobs with work waiting.
+    wait_until(lambda: all(listening(q) for q in queues.values()), 240, "every worker to listen", fast)
+    total = 2 * PER_SHARD  # two units a job
+    jobs = []
+    for i, point in enumerate(POINTS):
+        monkeypatch.setenv("HSX_QUEUE_NAME", queues[point])  # the API enqueues the first wake-up there
+        get_settings.cache_clear()
+        jobs.append(submit(fast, total=total, name=f"chats-{i}.jsonl"))
+    wait_until(lambda: all(m.exists() for m in markers.values()), 240, "every crash point", fast)
+    fast.start_worker()  # on the stack's own queue, with the reconciler: it wakes what a crash left
     for job_id in jobs:
         doc = fast.wait(job_id, timeout=300)
         assert_same_output(assert_exactly_once(fast, doc, total), baseline.first(total))
-    assert [p for p, m in markers.items() if not m.exists()] == [], "every crash point was reached"
     assert full_logs(fast).count(f"(status {137 << 8})") >= len(POINTS)  # os._exit(137), as waitpid says
 
 

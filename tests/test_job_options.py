@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from tests.fixtures.stack import REPO, Stack, make_stack
 
-CHATS = REPO / "data" / "sample_chats.jsonl"
+CHATS = REPO / "tests" / "data" / "short_chats.jsonl"  # short: what is tested is the row, not the engine
 postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 
 
