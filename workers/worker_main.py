@@ -34,9 +34,23 @@ from workers.tasks.extraction import STOP_SIGNAL
 log = logging.getLogger(__name__)
 
 RESTART_DELAY_SECONDS = 2.0
+# How long the thread reading RQ's command channel blocks in one read. RQ asks for 60 s, and on leaving
+# (a burst worker done, a SIGTERM) it stops that thread and redis-py waits out the read in hand: a worker
+# could take a minute to exit after "unsubscribing from channel".
+COMMAND_CHANNEL_READ_SECONDS = 1.0
 
 
 class HsxWorker(Worker):
+    def subscribe(self) -> None:
+        self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(  # type: ignore[assignment] # RQ annotates None
+            sleep_time=COMMAND_CHANNEL_READ_SECONDS,
+            daemon=True,
+            exception_handler=self._pubsub_exception_handler,
+        )
+
     def fork_work_horse(self, job: Any, queue: Any) -> None:
         with FORK_LOCK:  # never while the reconciler thread is mid-pass (see FORK_LOCK)
             super().fork_work_horse(job, queue)
