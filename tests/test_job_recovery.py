@@ -330,6 +330,44 @@ def test_a_brief_engine_outage_is_ridden_out_and_a_long_one_gives_the_unit_back(
 
 
 @postgres_only
+def test_a_shard_written_after_its_lease_was_taken_is_removed_at_once(
+    synth: tuple[Stack, Synthetic], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unit's shard is whole, but before the commit another worker takes the lease (this one was
+    frozen past it): the attempt stops, and its staged shard goes with it, not at a later sweep."""
+    from hsx.db.session import session_scope
+    from hsx.faults import crash_point as real_crash_point
+    from hsx.jobs import repository as repo
+
+    stack, engine = synth
+    job_id = stack.submit(write_pretokenized(stack.tmp / "d.jsonl", [30] * 2), samples_per_shard=2)["id"]
+    output = Path(stack.job(job_id)["output_dir"])
+    staged_then: list[str] = []
+
+    def lease_taken_after_the_shard(name: str) -> None:
+        real_crash_point(name)
+        if name != "mid_unit" or staged_then:
+            return
+        staged_then.extend(p.name for p in output.glob("*.staged"))
+        with session_scope(stack.env["HSX_DATABASE_URL"]) as session:
+            # Another worker's claim, an hour on: this attempt's lease has long run out by then.
+            assert repo.claim_unit(session, job_id, "other-host:1@x", 3600, time.time() + 3600) is not None
+        deadline = time.monotonic() + 30
+        while any(t.name.startswith("lease-") and t.is_alive() for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "the heartbeat never found the lease gone"
+            time.sleep(0.05)
+
+    monkeypatch.setattr("workers.job_runner.crash_point", lease_taken_after_the_shard)
+    outcome = runner(engine.url)(job_id).run()
+    assert staged_then == [".shard-00000.a1.staged"], staged_then
+    assert "stopped before commit" in outcome.summary, outcome
+    assert sorted(p.name for p in output.iterdir()) == [], "the dropped shard is gone, nothing committed"
+    assert [(u["state"], u["attempt"], u["owner"]) for u in unit_rows(stack, job_id)] == [
+        ("leased", 2, "other-host:1@x")
+    ]
+
+
+@postgres_only
 def test_a_unit_that_kills_every_work_horse_fails_the_job_at_the_bound(
     synth: tuple[Stack, Synthetic],
 ) -> None:

@@ -344,18 +344,18 @@ class JobRunner:
             self.db_url, unit, self.settings.lease_seconds, self.settings.heartbeat_seconds, result.live
         )
         span = UnitRange(unit.sample_start, unit.sample_end, unit.byte_start, unit.byte_end)
+        staged = staged_path(job.output_dir, unit.unit_index, unit.attempt)
         try:
             with keeper:
                 records = read_unit_records(job.records_path, job.records_bytes, span, job.options.format)
                 processor.process(
-                    unit,
-                    (r for r in records if unit.holds(r[0])),
-                    staged_path(job.output_dir, unit.unit_index, unit.attempt),
-                    lambda: keeper.should_stop,
-                    result,
+                    unit, (r for r in records if unit.holds(r[0])), staged, lambda: keeper.should_stop, result
                 )
                 crash_point("mid_unit")
                 if keeper.should_stop:
+                    # The shard is whole but will not be committed: it goes now, not at the reconciler's
+                    # next look at old staged files (after the job may have finished).
+                    staged.unlink(missing_ok=True)
                     raise UnitAborted("stopped before commit")
                 committing = time.monotonic()
                 committed = self._commit(unit, result, job.output_dir)
