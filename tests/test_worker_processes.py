@@ -8,27 +8,26 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.fixtures.stack import REPO, Stack, make_stack
+from tests.fixtures.stack import Stack
+from tests.fixtures.warm_processes import start_hsx
 
 PROCESSES = 3
 
 
 @pytest.fixture
-def synthetic_stack(
-    db_url: str, redis_url: str, engine_synthetic: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Stack]:
-    stack = make_stack(db_url, redis_url, engine_synthetic.url, tmp_path, monkeypatch, engine_concurrency="2")
-    yield stack
-    stack.stop_workers()
+def fleet_stack(synthetic_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> Stack:
+    """The synthetic stack with two requests in flight per worker, as a fleet host would run."""
+    from hsx.settings import get_settings
+
+    synthetic_stack.env["HSX_ENGINE_CONCURRENCY"] = "2"
+    monkeypatch.setenv("HSX_ENGINE_CONCURRENCY", "2")
+    get_settings.cache_clear()
+    return synthetic_stack
 
 
 def registered_workers(stack: Stack) -> int:
@@ -49,7 +48,7 @@ def live_leases(db_url: str, job_id: str) -> int:
 
 
 def test_every_worker_process_holds_a_lease_and_nothing_is_lost(
-    synthetic_stack: Stack, db_url: str, tmp_path: Path
+    fleet_stack: Stack, db_url: str, tmp_path: Path
 ) -> None:
     from hsx.loader import OutputReader
 
@@ -59,23 +58,20 @@ def test_every_worker_process_holds_a_lease_and_nothing_is_lost(
         for i in range(samples):
             ids = [100 + (i * 7 + j) % 5000 for j in range(48 + i % 17)]
             fh.write(json.dumps({"input_ids": ids, "loss_mask": [j % 2 for j in range(len(ids))]}) + "\n")
-    log = open(tmp_path / "workers.log", "ab")  # noqa: SIM115 - owned by the child
-    workers = subprocess.Popen(
-        [sys.executable, "-m", "hsx.cli", "worker", "--processes", str(PROCESSES)],
-        env={**os.environ, **synthetic_stack.env},
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    # ``hsx worker --processes 3`` forked from the tests' warm parent; it forks its three workers itself.
+    workers = start_hsx(
+        ["worker", "--processes", str(PROCESSES)],
+        {**os.environ, **fleet_stack.env},
+        tmp_path / "workers.log",
     )
-    synthetic_stack.workers.append(workers)
+    fleet_stack.workers.append(workers)
     deadline = time.monotonic() + 120
-    while registered_workers(synthetic_stack) < PROCESSES:
+    while registered_workers(fleet_stack) < PROCESSES:
         assert time.monotonic() < deadline, "the worker processes never registered"
         time.sleep(0.2)
-    job = synthetic_stack.submit(dataset, samples_per_shard=per_unit)
+    job = fleet_stack.submit(dataset, samples_per_shard=per_unit)
     most = 0
-    while (doc := synthetic_stack.job(job["id"]))["state"] in ("queued", "running"):
+    while (doc := fleet_stack.job(job["id"]))["state"] in ("queued", "running"):
         most = max(most, live_leases(db_url, job["id"]))
         time.sleep(0.05)
     assert doc["state"] == "succeeded", (doc, (tmp_path / "workers.log").read_text()[-3000:])
@@ -87,3 +83,7 @@ def test_every_worker_process_holds_a_lease_and_nothing_is_lost(
     # The horses ran the job's units in turn (several units per wake-up), and the job says it ran on the
     # synthetic engine.
     assert reader.manifest.engine["backend"] == "synthetic"
+    # SIGTERM reaches every worker process (a warm shutdown of each), and the parent exits as they did.
+    workers.terminate()
+    assert workers.wait(30) == 0, (tmp_path / "workers.log").read_text()[-3000:]
+    assert (tmp_path / "workers.log").read_text().count(": warm shut down requested") == PROCESSES

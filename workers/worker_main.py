@@ -15,10 +15,9 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from redis.exceptions import RedisError
 from rq import Worker
@@ -156,22 +155,47 @@ def run_worker(settings: Settings, burst: bool = False, reconcile: bool = True) 
 
 def run_worker_processes(count: int, burst: bool = False, reconcile: bool = True) -> int:
     """``hsx worker --processes N``: N worker processes on this host, each with its own unit in flight,
-    all feeding the same engine. SIGTERM and SIGINT are passed on (a warm shutdown of each); the exit code
-    is the worst of theirs."""
-    args = [sys.executable, "-m", "hsx.cli", "worker", "--processes", "1"]
-    args += ["--burst"] if burst else []
-    children = []
+    all feeding the same engine. They are forked once the heavy imports and the tokenizer are loaded, as
+    RQ forks its horses, so a fleet is listening in a second rather than after N fresh interpreters have
+    each imported torch and transformers. SIGTERM and SIGINT are passed on (a warm shutdown of each); the
+    exit code is the worst of theirs."""
+    settings = get_settings()
+    configure_logging(settings.log_format, settings.log_level)
+    preload()
+    preload_tokenizer(settings)
+    children: list[int] = []
     for number in range(count):
         # Only the first runs the reconciler: one pass per host is plenty, and every pass is idempotent.
-        extra = [] if reconcile and number == 0 else ["--no-reconciler"]
-        children.append(subprocess.Popen(args + extra))
+        pid = os.fork()
+        if pid == 0:
+            _run_forked_worker(burst, reconcile and number == 0)
+        children.append(pid)
 
     def forward(signum: int, _frame: Any) -> None:
         for child in children:
             with contextlib.suppress(ProcessLookupError):
-                child.send_signal(signum)
+                os.kill(child, signum)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    codes = [child.wait() for child in children]
+    codes = []
+    for child in children:
+        _pid, status = os.waitpid(child, 0)  # retried by Python when a forwarded signal interrupts it
+        codes.append(os.waitstatus_to_exitcode(status))
     return max(codes, key=abs, default=0)
+
+
+def _run_forked_worker(burst: bool, reconcile: bool) -> NoReturn:
+    """A forked child's whole life: one worker, then ``os._exit``, so that nothing of the parent (its
+    exit handlers, its buffered output) runs twice."""
+    code = 1
+    try:
+        get_settings.cache_clear()  # the settings as they are now, like a process started afresh
+        code = run_worker(get_settings(), burst=burst, reconcile=reconcile)
+    except BaseException:  # noqa: BLE001 - reported here: nothing above a forked child can catch it
+        log.exception("worker process %d failed", os.getpid())
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
