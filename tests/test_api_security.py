@@ -413,7 +413,7 @@ FUZZ_CHECKS = (
 
 @postgres_only
 def test_fuzzing_the_spec_finds_no_server_error_and_no_off_spec_response(
-    db_url: str, redis_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    db_url: str, redis_url: str, engine_synthetic: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Schemathesis' CLI against the app under uvicorn on loopback, with the token; bounded by examples."""
     from app.main import create_app
@@ -421,7 +421,7 @@ def test_fuzzing_the_spec_finds_no_server_error_and_no_off_spec_response(
 
     # File URIs only: a fuzzed http URI would send its host name to the resolver.
     stack = make_stack(
-        db_url, redis_url, engine_nocache.url, tmp_path, monkeypatch, allowed_uri_schemes='["file"]'
+        db_url, redis_url, engine_synthetic.url, tmp_path, monkeypatch, allowed_uri_schemes='["file"]'
     )
     # Half the job ids are a real job's, so that the job routes answer with documents, not only 404s.
     job_id = stack.submit(SAMPLE)["id"]

@@ -126,7 +126,8 @@ def test_timestamps_are_utc_with_an_offset_on_every_backend(stack: Stack) -> Non
 
 
 @postgres_only
-def test_the_job_shows_a_few_shards_and_pages_through_all(stack: Stack) -> None:
+def test_the_job_shows_a_few_shards_and_pages_through_all(synthetic_stack: Stack) -> None:
+    stack = synthetic_stack
     job = stack.submit(SHORT, samples_per_shard=1)  # one shard per sample
     assert stack.run_burst() == 0, stack.logs()
     doc = stack.wait(job["id"], timeout=120)

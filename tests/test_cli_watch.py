@@ -41,6 +41,12 @@ def api_url(stack: Stack) -> Iterator[str]:
         yield url
 
 
+@pytest.fixture
+def synthetic_api_url(synthetic_stack: Stack) -> Iterator[str]:
+    with serve_in_thread(synthetic_stack.client.app) as url:
+        yield url
+
+
 def cli_env(stack: Stack) -> dict[str, str]:
     # PYTHONPATH: the CLI runs from the dataset's folder, as a user would, not from the repository.
     return {**os.environ, **stack.env, "PYTHONPATH": str(REPO), "COLUMNS": "140", "TERM": "xterm-256color"}
@@ -119,7 +125,10 @@ def test_submit_wait_draws_a_bar_that_moves_to_completion(stack: Stack, api_url:
 
 
 @postgres_only
-def test_submit_json_parses_and_a_relative_path_is_sent_absolute(stack: Stack, api_url: str) -> None:
+def test_submit_json_parses_and_a_relative_path_is_sent_absolute(
+    synthetic_stack: Stack, synthetic_api_url: str
+) -> None:
+    stack, api_url = synthetic_stack, synthetic_api_url
     shutil.copy(SAMPLE, stack.tmp / "mine.jsonl")
     stack.start_worker()
     done = hsx(

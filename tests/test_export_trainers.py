@@ -16,8 +16,6 @@ the same files) run even where a trainer package is missing.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +30,9 @@ from hsx.export import ExportError, ExportOptions, export_output
 from hsx.loader import TorchSample, iter_samples
 from hsx.local_stack import free_port
 from tests.conftest import REDIS_URL
+from tests.fixtures.engine import _stop, _wait_healthy
 from tests.fixtures.stack import REPO, make_stack
+from tests.fixtures.warm_processes import start_hsx
 
 MULTI_TURN = REPO / "tests" / "data" / "short_chats.jsonl"
 SYNTHETIC_HIDDEN, SYNTHETIC_LAYERS = 64, 8
@@ -79,22 +79,18 @@ def reference_job(engine_nocache: Any, tmp_path_factory: pytest.TempPathFactory)
 def synthetic_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     work = tmp_path_factory.mktemp("synthetic")
     port = free_port()
-    command = [
-        sys.executable, "-m", "hsx.cli", "engine", "--backend", "synthetic", "--final-state", "both",
+    args = [
+        "engine", "--backend", "synthetic", "--final-state", "both",
         "--hidden-size", str(SYNTHETIC_HIDDEN), "--num-layers", str(SYNTHETIC_LAYERS),
         "--tokenizer", str(model_dir), "--port", str(port), "--dump-dir", str(work / "dumps"),
     ]  # fmt: skip
-    with open(work / "engine.log", "wb") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    process = start_hsx(args, dict(os.environ), work / "engine.log")
     url = f"http://127.0.0.1:{port}"
     try:
-        from hsx.local_stack import wait_http
-
-        wait_http(f"{url}/health", 120, process)
+        _wait_healthy(process, url, work / "engine.log")
         yield url
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        _stop(process)
 
 
 @pytest.fixture(scope="module")

@@ -812,7 +812,7 @@ def test_eight_claimers_fifty_units_each_processed_once(db_url: str, tmp_path: P
 def test_stalled_claimers_lose_their_units_and_nothing_is_committed_twice(
     db_url: str, tmp_path: Path
 ) -> None:
-    job_id, outcomes = _race(db_url, tmp_path, lease=1.0, stall=1.5)
+    job_id, outcomes = _race(db_url, tmp_path, lease=0.5, stall=0.75)
     refused = [(i, a) for i, a, ok in outcomes if not ok]
     assert refused, "stalled claimers must have been refused"
     rows = {u["index"]: u for u in units(db_url, job_id)}

@@ -101,7 +101,8 @@ def test_metrics_parse_and_counters_move_during_a_job(stack: Stack) -> None:
 
 
 @postgres_only
-def test_worker_telemetry_moves_during_a_job(stack: Stack) -> None:
+def test_worker_telemetry_moves_during_a_job(synthetic_stack: Stack) -> None:
+    stack = synthetic_stack
     before = scrape(stack)
     job = stack.submit(SAMPLE, samples_per_shard=4)
     assert stack.run_burst() == 0, stack.logs()
@@ -200,9 +201,10 @@ def test_metrics_need_the_token(stack: Stack) -> None:
 
 
 @postgres_only
-def test_failed_wakeups_count_only_what_really_failed(stack: Stack) -> None:
+def test_failed_wakeups_count_only_what_really_failed(synthetic_stack: Stack) -> None:
     """A work horse killed mid-unit leaves its wake-up in RQ's failed registry, yet nothing failed: the
     unit is run again and the job succeeds. Only a wake-up whose function raised counts as failed."""
+    stack = synthetic_stack
     from hsx.jobs.queue import EXTRACTION_TASK, queue_for
 
     job = stack.submit(SAMPLE, samples_per_shard=2)

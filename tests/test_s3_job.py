@@ -25,7 +25,7 @@ MULTI_TURN = REPO / "tests" / "data" / "short_chats.jsonl"
 
 
 def test_an_s3_parquet_dataset_gives_the_jsonl_samples_and_the_output_lands_in_s3(
-    engine_nocache: Any, s3_bucket: S3Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    engine_synthetic: Any, s3_bucket: S3Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     datasets = pytest.importorskip("datasets", reason="the interop extra provides datasets for the fixture")
     from hsx.db.migrate import upgrade
@@ -37,7 +37,7 @@ def test_an_s3_parquet_dataset_gives_the_jsonl_samples_and_the_output_lands_in_s
     db_url = f"sqlite:///{tmp_path / 'hsx.sqlite3'}"
     upgrade(db_url)
     stack = make_stack(
-        db_url, REDIS_URL, engine_nocache.url, tmp_path, monkeypatch,
+        db_url, REDIS_URL, engine_synthetic.url, tmp_path, monkeypatch,
         s3_endpoint_url=s3_bucket.server.url, allowed_buckets=s3_bucket.name,
         allowed_uri_schemes="file,s3", output_uri=f"s3://{s3_bucket.name}/outputs",
     )  # fmt: skip
