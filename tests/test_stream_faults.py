@@ -279,11 +279,11 @@ def test_the_api_killed_and_restarted_while_trainers_stream_loses_nothing_and_re
             for trainer in running:
                 assert trainer.wait(120) == 0, (trainer_errors(stack), stack.logs())
     watch.stopped.set()
-    # Both trainers met the dead API while they held a consumer (a lease, an ack, or the job's state that
-    # a trainer reads between leases), retried, and carried on.
+    # Both trainers met the dead API (a lease, an ack, the job's state that a trainer reads between leases,
+    # or, for a trainer that was slower to import torch, its registration), retried, and carried on.
     for record in records:
         text = (stack.tmp / f"{record.stem}.err").read_text()
-        failed_call = r"(GET|POST) /jobs/[0-9a-f-]{36}(/consumers/[0-9a-f-]{36}/(leases|acks))? failed"
+        failed_call = r"(GET|POST) /jobs/[0-9a-f-]{36}(/consumers(/[0-9a-f-]{36}/(leases|acks))?)? failed"
         assert re.search(failed_call, text), trainer_errors(stack)
     assert_streamed_exactly_once(stack, job_id, cap, watch.peak, *records)
 

@@ -90,7 +90,7 @@ def convert_gguf(gguf_path: Path, target: Path) -> None:
     """Dequantise ``gguf_path`` into a float32 safetensors model directory, published atomically."""
     build_dir = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        log.info("converting %s into %s (one-off, about a minute)", gguf_path, target)
+        log.info("converting %s into %s (one-off, seconds to a minute)", gguf_path, target)
         _build_from_gguf(gguf_path, build_dir)
         _add_legacy_config_keys(build_dir)
         _add_legacy_tokenizer_keys(build_dir)
