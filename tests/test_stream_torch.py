@@ -5,6 +5,7 @@ raises instead of looking like the end of the data."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,73 @@ def test_stream_clients_retry_an_unreachable_api_for_their_outage_window_and_a_4
     client, failure = _stream_client(kind, api, 0.5, tmp_path)
     with pytest.raises(failure, match="ConnectError"):
         client._call("POST", "/flaky", {})
+
+
+def committed_units(stack: Stack, job_id: str, units: int) -> None:
+    deadline = time.monotonic() + 120
+    while stack.job(job_id)["progress"]["units_done"] < units:
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.05)
+
+
+@postgres_only
+def test_a_delivery_another_consumer_acknowledged_meanwhile_is_skipped_not_raised(
+    synth: tuple[Stack, Synthetic], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trainer holds a lease past its end before it reads the shard (a slow step, a long prefetch
+    queue); the item goes to another consumer, which acknowledges it, and the shard is deleted. The late
+    trainer skips that delivery instead of failing, and every sample is used exactly once."""
+    from app.main import create_app
+    from hsx.streams import torch_stream
+    from hsx.torch_data import JobStream
+
+    stack, _engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [48] * 4)
+    job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=10**9)["id"]
+    stack.start_worker()
+    committed_units(stack, job_id, 2)
+    other_got: list[int] = []
+    late_item: list[int] = []
+    real_open = torch_stream.open_item
+    with serve_in_thread(create_app()) as api:
+        late = JobStream(api, job_id, token=TEST_TOKEN, name="late", lease_seconds=1, poll_seconds=0.05)
+        other = JobStream(api, job_id, token=TEST_TOKEN, name="other", poll_seconds=0.05)
+        others = iter(other)
+
+        def open_after_the_lease_ran_out(item: dict[str, Any], *args: Any) -> Any:
+            if not late_item:
+                late_item.append(int(item["id"]))
+                while time.time() <= float(item["lease_expires"]):  # the late trainer's lease runs out
+                    time.sleep(0.05)
+                shard = Path(item["path"])
+                while shard.exists():  # the other consumer takes the item, uses it, acknowledges it
+                    sample = next(others)
+                    other.ack([sample])
+                    other_got.append(int(sample["index"]))
+            return real_open(item, *args)
+
+        monkeypatch.setattr(torch_stream, "open_item", open_after_the_lease_ran_out)
+        with caplog.at_level("WARNING", logger="hsx.streams.torch_stream"):
+            late_got = [int(s["index"]) for s in late if late.ack([s]) >= 0]
+        other_got += [int(s["index"]) for s in others if other.ack([s]) >= 0]
+    assert late_item and f"delivery 1 of item {late_item[0]} skipped" in caplog.text, caplog.text
+    assert sorted(late_got + other_got) == [0, 1, 2, 3], (late_got, other_got)
+    doc = stack.job(job_id)
+    assert doc["state"] == "succeeded" and doc["stream"]["items_acked"] == 2, doc["stream"]
+
+
+@postgres_only
+def test_a_shard_gone_from_a_job_that_keeps_its_shards_raises(synth: tuple[Stack, Synthetic]) -> None:
+    from app.main import create_app
+    from hsx.torch_data import JobStream, JobStreamError
+
+    stack, _engine = synth
+    job_id = stack.submit(write_pretokenized(stack.tmp / "d.jsonl", [48] * 2), samples_per_shard=2)["id"]
+    stack.start_worker()
+    assert stack.wait(job_id)["state"] == "succeeded", stack.logs()
+    for shard in Path(stack.job(job_id)["output_dir"]).glob("shard-*.safetensors"):
+        shard.unlink()  # by hand: a keep job never deletes one
+    with serve_in_thread(create_app()) as api:
+        stream = JobStream(api, job_id, token=TEST_TOKEN, poll_seconds=0.05)
+        with pytest.raises(JobStreamError, match="keeps its shards, yet .* is gone"):
+            next(iter(stream))

@@ -27,12 +27,25 @@ def manifest_for(job: Mapping[str, Any]) -> Manifest:
     return job_manifest(str(job["id"]), job["engine"], fp8=options.state_dtype == STATE_DTYPE_OPTION)
 
 
+class ShardGone(LoaderError):
+    """A leased item's shard is no longer there (its file or its object). In a ``consume`` job a shard is
+    deleted only once an acknowledgement of it has committed, so the item was delivered again, after this
+    delivery's lease ran out, to a consumer that acknowledged it."""
+
+
 def open_item(
     item: dict[str, Any], manifest: Manifest, verify: bool = True, source: Source = "auto"
 ) -> ShardView:
     """A leased item's shard (a ``POST .../leases`` item), checked against the item's checksums. Read from
     its ``path``, or from the object store at its ``uri`` (``source="s3"``; ``"auto"``: when the path is
-    not there, as on another host than the workers')."""
+    not there, as on another host than the workers'). Raises :class:`ShardGone` when it is in neither."""
+    try:
+        return _open_item(item, manifest, verify, source)
+    except FileNotFoundError as exc:
+        raise ShardGone(f"item {item.get('id')}: {exc.filename} is gone") from exc
+
+
+def _open_item(item: dict[str, Any], manifest: Manifest, verify: bool, source: Source) -> ShardView:
     entry = ShardEntry(
         path=Path(item["path"]).name,
         sha256=str(item["sha256"]),
@@ -59,7 +72,10 @@ def _download(uri: str, target: Path) -> None:
     try:
         s3_client(get_settings()).download_file(parts.netloc, parts.path.lstrip("/"), str(target))
     except Exception as exc:
-        raise storage_error(exc, uri) from exc
+        error = storage_error(exc, uri)
+        if error.error == "not_found":
+            raise ShardGone(str(error)) from exc
+        raise error from exc
 
 
 def item_samples(

@@ -28,9 +28,10 @@ from typing import Any
 import httpx
 from torch.utils.data import IterableDataset, get_worker_info
 
+from hsx.job_options import JobOptions
 from hsx.manifest import Manifest
 from hsx.streams.api_calls import call_api
-from hsx.streams.reader import Source, item_samples, manifest_for
+from hsx.streams.reader import ShardGone, Source, manifest_for, open_item
 
 Item = dict[str, Any]
 # (consumer id, item id, delivery, samples in the item): what an acknowledgement needs of a sample.
@@ -103,14 +104,15 @@ class JobStream(IterableDataset[Item]):
         path = f"/jobs/{self.job_id}{path}"
         return call_api(self._http(), method, path, body, self.outage_seconds, JobStreamError)
 
-    def _manifest(self) -> Manifest:
-        """The job's layout, once it has started (its engine record is set when a worker starts it)."""
+    def _manifest(self) -> tuple[Manifest, bool]:
+        """The job's layout, once it has started (its engine record is set when a worker starts it), and
+        whether it is a ``consume`` job."""
         while True:
             doc = self._call("GET", "")
             if doc["state"] in ("failed", "cancelled"):
                 raise JobStreamError(f"job {self.job_id} is {doc['state']}: {doc.get('error')}")
             if doc.get("engine"):
-                return manifest_for(doc)
+                return manifest_for(doc), JobOptions.from_stored(doc.get("options")).retention == "consume"
             time.sleep(self.poll_seconds)
 
     def __iter__(self) -> Iterator[Item]:
@@ -120,7 +122,7 @@ class JobStream(IterableDataset[Item]):
         if self.lease_seconds is not None:
             body["lease_seconds"] = self.lease_seconds
         consumer = self._call("POST", "/consumers", body)["id"]
-        manifest = self._manifest()
+        manifest, consume = self._manifest()
         received: OrderedDict[tuple[int, int], float] = OrderedDict()  # delivery -> its lease's end
         while True:
             body = {"max_items": 1, "seen": _seen(received)}
@@ -128,10 +130,21 @@ class JobStream(IterableDataset[Item]):
             if answer["job_state"] in ("failed", "cancelled"):
                 raise JobStreamError(f"job {self.job_id} is {answer['job_state']}: {answer.get('error')}")
             for item in answer["items"]:
-                received[(int(item["id"]), int(item["delivery"]))] = float(item["lease_expires"])
-                ref: StreamRef = (consumer, int(item["id"]), int(item["delivery"]), int(item["samples"]))
-                for sample in item_samples(item, manifest, self.verify_checksums, True, self.source):
-                    out = _sample_item(sample, manifest.dtype == "BF16")
+                delivery = (int(item["id"]), int(item["delivery"]))
+                received[delivery] = float(item["lease_expires"])
+                ref: StreamRef = (consumer, *delivery, int(item["samples"]))
+                try:
+                    view = open_item(item, manifest, self.verify_checksums, self.source)
+                except ShardGone as exc:
+                    if not consume:
+                        raise JobStreamError(f"job {self.job_id} keeps its shards, yet {exc}") from exc
+                    # This delivery's lease ran out while it waited here, and the consumer given the item
+                    # next acknowledged it: its samples were used once, so they are not yielded again.
+                    log.warning("delivery %s of item %s skipped: %s", delivery[1], delivery[0], exc)
+                    del received[delivery]
+                    continue
+                for k in range(len(view)):
+                    out = _sample_item(view.sample(k, True), manifest.dtype == "BF16")
                     out["stream_ref"] = ref
                     yield out
             if answer["end_of_stream"]:
