@@ -44,6 +44,7 @@ def test_job_runs_end_to_end(stack: Stack) -> None:
     assert (progress["samples_done"], progress["samples_rejected"]) == (total, 0), progress
     assert progress["tokens"] > 0
     assert progress["tokens_per_second"] > 0
+    assert doc["output"]["uri"] is None  # no HSX_OUTPUT_URI: the output stays in output_dir
     samples = read_back(doc)
     assert stack.client.get(f"/jobs/{job['id']}/rejections").json()["items"] == []
     assert sorted(s.index for s in samples) == list(range(total))

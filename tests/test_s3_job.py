@@ -131,6 +131,7 @@ def test_a_keep_job_publishes_each_shard_when_its_unit_commits_and_the_manifest_
         # The job stopped after its first unit: that unit's shard is in the store, whole, and nothing else.
         doc = stack.job(job_id)
         assert doc["state"] == "running" and doc["progress"]["units_done"] == 1, doc
+        assert doc["output"]["uri"] == f"s3://{s3_bucket.name}/outputs/{job_id}", doc["output"]
         first = stored(s3_bucket, prefix)
         assert list(first) == ["shard-00000.safetensors"], first.keys()
         assert (

@@ -92,6 +92,11 @@ class OutputOut(BaseModel):
     projection_basis: str | None
     free_bytes_at_prepare: int | None
     bytes_written: int = Field(description="Bytes of the shards committed so far.")
+    uri: str | None = Field(
+        default=None,
+        description="Where the output is published (HSX_OUTPUT_URI/<job id>, fixed at submission): unit by "
+        "unit as units commit, the manifest last; null when it stays in output_dir only.",
+    )
 
 
 class JobOut(BaseModel):

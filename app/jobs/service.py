@@ -26,7 +26,7 @@ from hsx.job_options import JobOptions
 from hsx.jobs import queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import MANIFEST_NAME
-from hsx.jobs.publication import new_destination
+from hsx.jobs.publication import destination_of, new_destination
 from hsx.jobs.queue import enqueue_wakeups
 from hsx.jobs.repository import LiveCounts
 from hsx.settings import Settings
@@ -240,6 +240,7 @@ class JobService:
             projection_basis=projection.get("basis"),
             free_bytes_at_prepare=projection.get("free_bytes"),
             bytes_written=job.bytes_written,
+            uri=destination_of(job, self.settings) or None,
         )
 
     def jobs(self, state: str | None, limit: int, offset: int) -> schemas.JobPage:
