@@ -38,7 +38,7 @@ from hsx.job_options import JobOptions
 from hsx.jobs import engines_met, queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
-from hsx.jobs.publication import publish_committed
+from hsx.jobs.publication import destination_of, publish_committed
 from hsx.jobs.queue import wake_idle_workers
 from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
@@ -89,6 +89,7 @@ class JobView:
     records_path: str | None
     records_bytes: int | None
     units_total: int
+    destination: str  # where its shards are published as units commit ("" for nowhere)
 
     @classmethod
     def of(cls, job: Job, settings: Settings) -> JobView:
@@ -101,6 +102,7 @@ class JobView:
             job.records_path,
             job.records_bytes,
             job.units_total,
+            destination_of(job, settings),
         )
 
 
@@ -384,7 +386,8 @@ class JobRunner:
         telemetry.unit_finished("committed" if committed else "lease_lost")
         if not committed:
             return Outcome(f"unit {unit.unit_index} lease lost; nothing committed", True)
-        publish_committed(self.db_url, self.job_id, unit.id, self.settings)  # a no-op without output_uri
+        if job.destination:
+            publish_committed(self.db_url, self.job_id, unit.id, self.settings)
         timing = {
             "waiting_s": result.waiting_s,
             "copying_s": result.copying_s,
