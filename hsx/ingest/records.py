@@ -84,24 +84,24 @@ LineObserver = Callable[[bytes], None]
 
 
 def plan_units(
-    records_path: str, samples_per_unit: int, observe: LineObserver | None = None
+    records_path: str, samples_per_shard: int, observe: LineObserver | None = None
 ) -> PreparedRecords:
     """One pass over the file: sample count and each unit's byte range."""
-    if samples_per_unit < 1:
-        raise ValueError("samples_per_unit must be positive")
+    if samples_per_shard < 1:
+        raise ValueError("samples_per_shard must be positive")
     size = os.stat(records_path).st_size
     starts: list[int] = []
     samples = 0
     for offset, line in iter_nonblank_lines(records_path):
-        if samples % samples_per_unit == 0:
+        if samples % samples_per_shard == 0:
             starts.append(offset)
         if observe is not None:
             observe(line)
         samples += 1
     units = [
         UnitRange(
-            sample_start=i * samples_per_unit,
-            sample_end=min((i + 1) * samples_per_unit, samples),
+            sample_start=i * samples_per_shard,
+            sample_end=min((i + 1) * samples_per_shard, samples),
             byte_start=start,
             byte_end=starts[i + 1] if i + 1 < len(starts) else size,
         )
@@ -113,13 +113,13 @@ def plan_units(
 def prepare(
     dataset: str,
     output_dir: str,
-    samples_per_unit: int,
+    samples_per_shard: int,
     settings: Settings | None = None,
     observe: LineObserver | None = None,
 ) -> PreparedRecords:
     """``dataset``: the local path the API resolved, or the URI of a remote dataset. ``observe`` sees every
     record's line during the planning pass."""
-    return plan_units(local_records(dataset, prepared_dir(output_dir), settings), samples_per_unit, observe)
+    return plan_units(local_records(dataset, prepared_dir(output_dir), settings), samples_per_shard, observe)
 
 
 def parse_record(line: bytes, record_format: RecordFormat = "auto") -> Record:
