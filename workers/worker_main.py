@@ -112,6 +112,12 @@ def preload_tokenizer(settings: Settings) -> None:
 
 
 def run_worker(settings: Settings, burst: bool = False, reconcile: bool = True) -> int:
+    prepare_process(settings)
+    return serve(settings, burst, reconcile)
+
+
+def prepare_process(settings: Settings) -> None:
+    """What a worker process sets up before it listens; a process forked after it inherits all of it."""
     if settings.worker_nice > 0:
         os.nice(settings.worker_nice)
     configure_logging(settings.log_format, settings.log_level)
@@ -120,6 +126,11 @@ def run_worker(settings: Settings, burst: bool = False, reconcile: bool = True) 
     sys.setswitchinterval(0.0005)
     preload()
     preload_tokenizer(settings)
+
+
+def serve(settings: Settings, burst: bool, reconcile: bool) -> int:
+    """The worker's life once prepared: RQ's work loop (started again after a lost Redis), and the
+    reconciler beside it."""
     try:
         wake_for_a_new_worker(settings)
     except Exception as exc:  # noqa: BLE001 - the reconciler wakes it later
@@ -160,15 +171,13 @@ def run_worker_processes(count: int, burst: bool = False, reconcile: bool = True
     each imported torch and transformers. SIGTERM and SIGINT are passed on (a warm shutdown of each); the
     exit code is the worst of theirs."""
     settings = get_settings()
-    configure_logging(settings.log_format, settings.log_level)
-    preload()
-    preload_tokenizer(settings)
+    prepare_process(settings)
     children: list[int] = []
     for number in range(count):
         # Only the first runs the reconciler: one pass per host is plenty, and every pass is idempotent.
         pid = os.fork()
         if pid == 0:
-            _run_forked_worker(burst, reconcile and number == 0)
+            _run_forked_worker(settings, burst, reconcile and number == 0)
         children.append(pid)
 
     def forward(signum: int, _frame: Any) -> None:
@@ -185,13 +194,12 @@ def run_worker_processes(count: int, burst: bool = False, reconcile: bool = True
     return max(codes, key=abs, default=0)
 
 
-def _run_forked_worker(burst: bool, reconcile: bool) -> NoReturn:
+def _run_forked_worker(settings: Settings, burst: bool, reconcile: bool) -> NoReturn:
     """A forked child's whole life: one worker, then ``os._exit``, so that nothing of the parent (its
     exit handlers, its buffered output) runs twice."""
     code = 1
     try:
-        get_settings.cache_clear()  # the settings as they are now, like a process started afresh
-        code = run_worker(get_settings(), burst=burst, reconcile=reconcile)
+        code = serve(settings, burst, reconcile)
     except BaseException:  # noqa: BLE001 - reported here: nothing above a forked child can catch it
         log.exception("worker process %d failed", os.getpid())
     finally:
