@@ -163,7 +163,7 @@ def test_a_delivery_another_consumer_acknowledged_meanwhile_is_skipped_not_raise
     queue); the item goes to another consumer, which acknowledges it, and the shard is deleted. The late
     trainer skips that delivery instead of failing, and every sample is used exactly once."""
     from app.main import create_app
-    from hsx.streams import torch_stream
+    from hsx.streams import reader
     from hsx.torch_data import JobStream
 
     stack, _engine = synth
@@ -173,7 +173,7 @@ def test_a_delivery_another_consumer_acknowledged_meanwhile_is_skipped_not_raise
     committed_units(stack, job_id, 2)
     other_got: list[int] = []
     late_item: list[int] = []
-    real_open = torch_stream.open_item
+    real_open = reader.open_item
     with serve_in_thread(create_app()) as api:
         late = JobStream(api, job_id, token=TEST_TOKEN, name="late", lease_seconds=1, poll_seconds=0.05)
         other = JobStream(api, job_id, token=TEST_TOKEN, name="other", poll_seconds=0.05)
@@ -191,7 +191,7 @@ def test_a_delivery_another_consumer_acknowledged_meanwhile_is_skipped_not_raise
                     other_got.append(int(sample["index"]))
             return real_open(item, *args)
 
-        monkeypatch.setattr(torch_stream, "open_item", open_after_the_lease_ran_out)
+        monkeypatch.setattr(reader, "open_item", open_after_the_lease_ran_out)
         with caplog.at_level("WARNING", logger="hsx.streams.torch_stream"):
             late_got = [int(s["index"]) for s in late if late.ack([s]) >= 0]
         other_got += [int(s["index"]) for s in others if other.ack([s]) >= 0]

@@ -85,6 +85,7 @@ def item_samples(
     raw_bf16: bool = False,
     source: Source = "auto",
 ) -> Iterator[Sample]:
+    """The item's samples. The shard is opened (and checked) by this call, not at the first sample, so
+    :class:`ShardGone` and checksum errors are raised here."""
     view = open_item(item, manifest, verify, source)
-    for k in range(len(view)):
-        yield view.sample(k, raw_bf16)
+    return (view.sample(k, raw_bf16) for k in range(len(view)))

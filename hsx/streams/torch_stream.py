@@ -31,7 +31,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from hsx.job_options import JobOptions
 from hsx.manifest import Manifest
 from hsx.streams.api_calls import call_api
-from hsx.streams.reader import ShardGone, Source, manifest_for, open_item
+from hsx.streams.reader import ShardGone, Source, item_samples, manifest_for
 
 Item = dict[str, Any]
 # (consumer id, item id, delivery, samples in the item): what an acknowledgement needs of a sample.
@@ -131,20 +131,19 @@ class JobStream(IterableDataset[Item]):
                 raise JobStreamError(f"job {self.job_id} is {answer['job_state']}: {answer.get('error')}")
             for item in answer["items"]:
                 delivery = (int(item["id"]), int(item["delivery"]))
-                received[delivery] = float(item["lease_expires"])
-                ref: StreamRef = (consumer, *delivery, int(item["samples"]))
                 try:
-                    view = open_item(item, manifest, self.verify_checksums, self.source)
+                    samples = item_samples(item, manifest, self.verify_checksums, True, self.source)
                 except ShardGone as exc:
                     if not consume:
                         raise JobStreamError(f"job {self.job_id} keeps its shards, yet {exc}") from exc
                     # This delivery's lease ran out while it waited here, and the consumer given the item
                     # next acknowledged it: its samples were used once, so they are not yielded again.
                     log.warning("delivery %s of item %s skipped: %s", delivery[1], delivery[0], exc)
-                    del received[delivery]
                     continue
-                for k in range(len(view)):
-                    out = _sample_item(view.sample(k, True), manifest.dtype == "BF16")
+                received[delivery] = float(item["lease_expires"])
+                ref: StreamRef = (consumer, *delivery, int(item["samples"]))
+                for sample in samples:
+                    out = _sample_item(sample, manifest.dtype == "BF16")
                     out["stream_ref"] = ref
                     yield out
             if answer["end_of_stream"]:
