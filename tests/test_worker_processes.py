@@ -11,23 +11,10 @@ import os
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.fixtures.stack import Stack
 from tests.fixtures.warm_processes import start_hsx
 
 PROCESSES = 3
-
-
-@pytest.fixture
-def fleet_stack(synthetic_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> Stack:
-    """The synthetic stack with two requests in flight per worker, as a fleet host would run."""
-    from hsx.settings import get_settings
-
-    synthetic_stack.env["HSX_ENGINE_CONCURRENCY"] = "2"
-    monkeypatch.setenv("HSX_ENGINE_CONCURRENCY", "2")
-    get_settings.cache_clear()
-    return synthetic_stack
 
 
 def registered_workers(stack: Stack) -> int:
@@ -48,7 +35,7 @@ def live_leases(db_url: str, job_id: str) -> int:
 
 
 def test_every_worker_process_holds_a_lease_and_nothing_is_lost(
-    fleet_stack: Stack, db_url: str, tmp_path: Path
+    synthetic_stack: Stack, db_url: str, tmp_path: Path
 ) -> None:
     from hsx.loader import OutputReader
 
@@ -58,20 +45,21 @@ def test_every_worker_process_holds_a_lease_and_nothing_is_lost(
         for i in range(samples):
             ids = [100 + (i * 7 + j) % 5000 for j in range(48 + i % 17)]
             fh.write(json.dumps({"input_ids": ids, "loss_mask": [j % 2 for j in range(len(ids))]}) + "\n")
-    # ``hsx worker --processes 3`` forked from the tests' warm parent; it forks its three workers itself.
+    # ``hsx worker --processes 3`` forked from the tests' warm parent; it forks its three workers itself,
+    # each with two requests in flight, as a fleet host runs them.
     workers = start_hsx(
         ["worker", "--processes", str(PROCESSES)],
-        {**os.environ, **fleet_stack.env},
+        {**os.environ, **synthetic_stack.env, "HSX_ENGINE_CONCURRENCY": "2"},
         tmp_path / "workers.log",
     )
-    fleet_stack.workers.append(workers)
+    synthetic_stack.workers.append(workers)
     deadline = time.monotonic() + 120
-    while registered_workers(fleet_stack) < PROCESSES:
+    while registered_workers(synthetic_stack) < PROCESSES:
         assert time.monotonic() < deadline, "the worker processes never registered"
         time.sleep(0.2)
-    job = fleet_stack.submit(dataset, samples_per_shard=per_unit)
+    job = synthetic_stack.submit(dataset, samples_per_shard=per_unit)
     most = 0
-    while (doc := fleet_stack.job(job["id"]))["state"] in ("queued", "running"):
+    while (doc := synthetic_stack.job(job["id"]))["state"] in ("queued", "running"):
         most = max(most, live_leases(db_url, job["id"]))
         time.sleep(0.05)
     assert doc["state"] == "succeeded", (doc, (tmp_path / "workers.log").read_text()[-3000:])
