@@ -42,7 +42,8 @@ def main(argv: list[str]) -> int:
     max_new = int(argv[5]) if len(argv) > 5 else 384
     concurrency = int(argv[6]) if len(argv) > 6 else 128
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rows = [json.loads(line) for line in open(prompts_path, encoding="utf-8")]
+    with open(prompts_path, encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh]
     prompts = [
         tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)
         for row in rows

@@ -34,10 +34,10 @@ def main(argv: list[str]) -> int:
     concurrency = int(argv[5]) if len(argv) > 5 else 16
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = []
-    for line in open(prompts_path, encoding="utf-8"):
-        encoded = tokenizer.apply_chat_template(
-            json.loads(line)["messages"], add_generation_prompt=True, tokenize=True
-        )
+    with open(prompts_path, encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh]
+    for row in rows:
+        encoded = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)
         prompts.append(list(encoded["input_ids"]) if hasattr(encoded, "keys") else list(encoded))
     with ThreadPoolExecutor(concurrency) as pool:
         metas = list(pool.map(lambda ids: _generate(url, ids, max_new), prompts))
