@@ -147,7 +147,9 @@ deployment:
   trainer:
     master_port: $3
 YAML
-  (cd "$dir" && setsid python3 -c 'import sys; from specforge.cli import main; sys.exit(main(sys.argv[1:]))' train -c run.yaml > "$OUT/train_$name.log" 2>&1; echo $? > "$dir/exit") &
+  # A session of its own, so the training outlives this call; the exit file says when it is done.
+  setsid bash -c "cd '$dir' && python3 -c 'import sys; from specforge.cli import main; sys.exit(main(sys.argv[1:]))' \
+    train -c run.yaml > '$dir/train.log' 2>&1; echo \$? > '$dir/exit'" > /dev/null 2>&1 &
 }
 
 DRAFTS="untrained hsx misaligned aligned"
@@ -164,7 +166,8 @@ stage_train() {
     done_count=$(ls $W/train/*/exit 2>/dev/null | wc -l); [ "$done_count" -ge 4 ] && break; sleep 1
   done
   for n in $DRAFTS; do
-    say "train $n: exit $(cat $W/train/$n/exit 2>/dev/null || echo running): $(grep -E 'step' "$OUT/train_$n.log" | tail -1 | cut -c1-240)"
+    cp $W/train/$n/train.log "$OUT/train_$n.log" 2>/dev/null
+    say "train $n: exit $(cat $W/train/$n/exit 2>/dev/null || echo running): $(grep -E 'loss' "$OUT/train_$n.log" | tail -1 | cut -c1-300)"
   done
   [ "$(ls $W/train/*/exit 2>/dev/null | wc -l)" -ge 4 ] || return 1
   for n in $DRAFTS; do
