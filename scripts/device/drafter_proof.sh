@@ -23,7 +23,7 @@ R=$(pwd); W=/tmp/dp; OUT=${OUT:-$W/out}; mkdir -p "$W" "$OUT"
 D=$R/scripts/device/drafter
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/steps.log"; }
-EPOCHS=${EPOCHS:-2}; LR=${LR:-3e-4}; BATCH=${BATCH:-4}; MAXLEN=${MAXLEN:-1024}; NEW=${NEW:-384}
+EPOCHS=${EPOCHS:-1}; LR=${LR:-5e-4}; BATCH=${BATCH:-4}; MAXLEN=${MAXLEN:-1024}; NEW=${NEW:-384}
 MODEL=$W/target
 
 env_on() {
@@ -191,14 +191,23 @@ stage_serve() {
       > "$OUT/serve_${n}_$steps$topk$tokens.log" 2>&1 &
     echo "$! $port" > $W/serve_$n.pid
   done
+  # Every server is measured at once (they share the GPU, and tau does not depend on speed).
+  local measuring=()
   for n in $DRAFTS; do
     read -r pid port < $W/serve_$n.pid
-    if wait_http $port 400 $pid; then
-      python3 $D/tau.py http://127.0.0.1:$port $MODEL $W/prompts/heldout_prompts.jsonl 256 16 > "$OUT/tau_${n}_$steps$topk$tokens.json" 2>> "$OUT/tau.log"
-      say "tau $n chain $steps/$topk/$tokens: $(cat "$OUT/tau_${n}_$steps$topk$tokens.json")"
-    else
-      say "server $n failed: $(tail -5 "$OUT/serve_${n}_$steps$topk$tokens.log" | tr '\n' ' ')"
-    fi
+    ( if wait_http $port 400 $pid; then
+        python3 $D/tau.py http://127.0.0.1:$port $MODEL $W/prompts/heldout_prompts.jsonl 256 24 \
+          > "$OUT/tau_${n}_$steps$topk$tokens.json" 2>> "$OUT/tau_$n.log"
+        say "tau $n chain $steps/$topk/$tokens: $(cat "$OUT/tau_${n}_$steps$topk$tokens.json")"
+      else
+        say "server $n failed: $(tail -5 "$OUT/serve_${n}_$steps$topk$tokens.log" | tr '\n' ' ')"
+      fi ) &
+    measuring+=($!)
+  done
+  wait "${measuring[@]}"  # not a bare wait: the servers are children of this shell too
+  for n in $DRAFTS; do
+    read -r pid port < $W/serve_$n.pid
+    grep -o "accept len: [0-9.]*" "$OUT/serve_${n}_$steps$topk$tokens.log" | awk -v n=$n '{s+=$3; c++} END {if (c) printf "server log %s: mean accept len %.3f over %d logged batches\n", n, s/c, c}' | tee -a "$OUT/steps.log"
     kill -TERM -- -"$pid" 2>/dev/null
   done
   python3 $D/report.py "$OUT" > "$OUT/table.md" 2>&1; cat "$OUT/table.md"
