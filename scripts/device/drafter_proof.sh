@@ -40,11 +40,13 @@ wait_http() {  # wait_http PORT SECONDS PID
   return 1
 }
 
-engine() {  # engine NAME PORT RADIX(on|off) -- launch the patched engine, setsid so it outlives the call
+# SGLang's --mem-fraction-static caps what the GPU holds in all when a server starts, other servers' memory
+# included: servers sharing the GPU start one after the other with rising fractions.
+engine() {  # engine NAME PORT RADIX(on|off) MEMFRAC -- launch the patched engine, setsid so it outlives the call
   local extra=--disable-radix-cache; [ "$3" = on ] && extra=
   setsid python3 -m workers.engines.sglang.launcher --model-path $MODEL --port "$2" --dump-dir "/dev/shm/dp-$1" \
     --dtype bfloat16 --attention-backend triton --sampling-backend pytorch --grammar-backend none \
-    --disable-cuda-graph --mem-fraction-static 0.3 $extra > "$OUT/engine_$1.log" 2>&1 &
+    --disable-cuda-graph --mem-fraction-static "$4" $extra > "$OUT/engine_$1.log" 2>&1 &
   echo $! > "$W/engine_$1.pid"
 }
 
@@ -85,10 +87,12 @@ keys = list(safe_open(str(target / "model.safetensors"), "pt").keys())
 print("converted", len(keys), "tensors")
 PY
   fi
-  say "model: $(tail -1 "$OUT/convert.log")"
-  engine A 30011 off; engine B 30012 on
+  say "model: $(tail -1 "$OUT/convert.log" 2>/dev/null)"
+  for p in $W/engine_*.pid; do [ -f "$p" ] && kill -KILL -- -"$(cat "$p")" 2>/dev/null; done; sleep 2  # an earlier try's
+  engine A 30011 off 0.35
   wait_http 30011 400 "$(cat $W/engine_A.pid)" || { say "engine A failed"; tail -30 "$OUT/engine_A.log"; return 1; }
   say "engine A up"
+  engine B 30012 on 0.7  # starts while A writes the responses
   python3 $D/respond.py http://127.0.0.1:30011 $MODEL $W/prompts/train_prompts.jsonl $W/train.jsonl $NEW 256 > "$OUT/respond.json" 2> "$OUT/respond.log"
   say "responses: $(cat "$OUT/respond.json")"
   head -c 1500 $W/train.jsonl > "$OUT/train_head.jsonl"
@@ -181,15 +185,16 @@ stage_train() {
 
 stage_serve() {
   env_on || { say "not installed"; return 1; }
-  local port=30100 steps=${STEPS:-3} topk=${TOPK:-1} tokens=${DRAFT_TOKENS:-4}
+  local port=30100 steps=${STEPS:-3} topk=${TOPK:-1} tokens=${DRAFT_TOKENS:-4} frac=0
   for n in $DRAFTS; do
-    port=$((port + 1))
+    port=$((port + 1)); frac=$(python3 -c "print(round($frac + 0.2, 2))")
     setsid python3 -m sglang.launch_server --model-path $MODEL --dtype bfloat16 --port $port --skip-tokenizer-init \
       --attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-cuda-graph \
-      --mem-fraction-static 0.12 --speculative-algorithm EAGLE3 --speculative-draft-model-path $W/draft/$n \
+      --mem-fraction-static $frac --speculative-algorithm EAGLE3 --speculative-draft-model-path $W/draft/$n \
       --speculative-num-steps $steps --speculative-eagle-topk $topk --speculative-num-draft-tokens $tokens \
       > "$OUT/serve_${n}_$steps$topk$tokens.log" 2>&1 &
     echo "$! $port" > $W/serve_$n.pid
+    wait_http $port 300 $! || say "server $n did not come up"
   done
   # Every server is measured at once (they share the GPU, and tau does not depend on speed).
   local measuring=()
