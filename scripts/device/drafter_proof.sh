@@ -100,7 +100,7 @@ PY
 
 stage_capture() {
   env_on || { say "not installed"; return 1; }
-  export HSX_ENGINE_CONCURRENCY=32
+  export HSX_ENGINE_CONCURRENCY=32 HSX_DATASET_ROOTS=$W
   HSX_DATA_DIR=$W/hsx timeout 330 python3 -m hsx.cli demo --dataset $W/train.jsonl --engine-url http://127.0.0.1:30011 \
     --samples-per-shard 64 --timeout 300 > "$OUT/job.json" 2> "$OUT/job.log"
   say "hsx job exit $?: $(python3 -c "import json;d=json.load(open('$OUT/job.json'));p=d['progress'];print(d['state'],p['samples_done'],p['samples_rejected'],p['tokens'],p['tokens_per_second'])" 2>&1)"
