@@ -23,7 +23,7 @@ R=$(pwd); W=/tmp/dp; OUT=${OUT:-$W/out}; mkdir -p "$W" "$OUT"
 D=$R/scripts/device/drafter
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/steps.log"; }
-EPOCHS=${EPOCHS:-1}; LR=${LR:-5e-4}; BATCH=${BATCH:-4}; MAXLEN=${MAXLEN:-1024}; NEW=${NEW:-384}
+EPOCHS=${EPOCHS:-1}; LR=${LR:-5e-4}; BATCH=${BATCH:-4}; MAXLEN=${MAXLEN:-1024}; NEW=${NEW:-512}
 MODEL=$W/target
 
 env_on() {
@@ -38,6 +38,17 @@ wait_http() {  # wait_http PORT SECONDS PID
     sleep 1
   done
   return 1
+}
+
+ensure_engine() {  # ensure_engine NAME PORT RADIX MEMFRAC -- an engine left by an earlier call is kept
+  curl -sf "localhost:$2/health" >/dev/null 2>&1 && return 0
+  engine "$@"
+  wait_http "$2" 400 "$(cat $W/engine_$1.pid)" || { say "engine $1 failed"; tail -30 "$OUT/engine_$1.log"; return 1; }
+  say "engine $1 up"
+}
+
+stop_engines() {
+  for p in $W/engine_*.pid; do [ -f "$p" ] && kill -TERM -- -"$(cat "$p")" 2>/dev/null; rm -f "$p"; done
 }
 
 # SGLang's --mem-fraction-static caps what the GPU holds in all when a server starts, other servers' memory
@@ -88,18 +99,20 @@ print("converted", len(keys), "tensors")
 PY
   fi
   say "model: $(tail -1 "$OUT/convert.log" 2>/dev/null)"
-  for p in $W/engine_*.pid; do [ -f "$p" ] && kill -KILL -- -"$(cat "$p")" 2>/dev/null; done; sleep 2  # an earlier try's
-  engine A 30011 off 0.35
-  wait_http 30011 400 "$(cat $W/engine_A.pid)" || { say "engine A failed"; tail -30 "$OUT/engine_A.log"; return 1; }
-  say "engine A up"
-  engine B 30012 on 0.7  # starts while A writes the responses
-  python3 $D/respond.py http://127.0.0.1:30011 $MODEL $W/prompts/train_prompts.jsonl $W/train.jsonl $NEW 256 > "$OUT/respond.json" 2> "$OUT/respond.log"
-  say "responses: $(cat "$OUT/respond.json")"
+  ensure_engine A 30011 off 0.35 || return 1
+  # B (radix cache on) starts while A writes the responses; the capture stage waits for it.
+  curl -sf localhost:30012/health >/dev/null 2>&1 || engine B 30012 on 0.7
+  if [ "$(wc -l < $W/train.jsonl 2>/dev/null || echo 0)" -lt 2400 ]; then
+    python3 $D/respond.py http://127.0.0.1:30011 $MODEL $W/prompts/train_prompts.jsonl $W/train.jsonl.tmp $NEW 256 \
+      > "$OUT/respond.json" 2> "$OUT/respond.log" && mv $W/train.jsonl.tmp $W/train.jsonl
+    say "responses: $(cat "$OUT/respond.json")"
+  fi
   head -c 1500 $W/train.jsonl > "$OUT/train_head.jsonl"
 }
 
 stage_capture() {
   env_on || { say "not installed"; return 1; }
+  ensure_engine A 30011 off 0.35 || return 1
   export HSX_ENGINE_CONCURRENCY=32 HSX_DATASET_ROOTS=$W
   HSX_DATA_DIR=$W/hsx timeout 330 python3 -m hsx.cli demo --dataset $W/train.jsonl --engine-url http://127.0.0.1:30011 \
     --samples-per-shard 64 --timeout 300 > "$OUT/job.json" 2> "$OUT/job.log"
@@ -109,11 +122,10 @@ stage_capture() {
   rm -rf $W/feat/hsx
   python3 -m hsx.cli export --format specforge "$JOB_DIR" $W/feat/hsx --draft-vocab-size 32000 --vocab-max-length $MAXLEN > "$OUT/export.json" 2>&1
   say "export exit $?: $(ls $W/feat/hsx | tr '\n' ' ')"
-  wait_http 30012 200 "$(cat $W/engine_B.pid)" || { say "engine B failed"; tail -30 "$OUT/engine_B.log"; return 1; }
+  ensure_engine B 30012 on 0.7 || return 1
   rm -rf $W/feat/trunc
   python3 $D/truncated.py http://127.0.0.1:30012 /dev/shm/dp-B "$JOB_DIR" $W/feat/trunc 32 > "$OUT/truncated.json" 2> "$OUT/truncated.log"
   say "truncated captures: $(cat "$OUT/truncated.json"; tail -2 "$OUT/truncated.log")"
-  for p in $W/engine_*.pid; do kill -TERM -- -"$(cat "$p")" 2>/dev/null; done
 }
 
 train_one() {  # train_one NAME FEATURES PORT STEPS_OR_EMPTY LR
@@ -159,6 +171,7 @@ YAML
 DRAFTS="untrained hsx misaligned aligned"
 stage_train() {
   env_on || { say "not installed"; return 1; }
+  stop_engines  # the capture engines are done once the features exist; their memory goes to training
   if [ ! -d $W/train/hsx ]; then
     train_one untrained $W/feat/hsx 29511 1 1e-12
     train_one hsx $W/feat/hsx 29512 "" $LR
