@@ -45,7 +45,7 @@ from hsx.logging_setup import log_context
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
 from hsx.streams.contract import CONSUME, ClaimWait
-from hsx.streams.deletion import delete_acknowledged
+from hsx.streams.deletion import delete_acknowledged_or_log
 from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
@@ -280,7 +280,7 @@ class JobRunner:
             if job.options.retention == CONSUME:
                 # This host holds the shards: it deletes what consumers acknowledged, which is what makes
                 # room under the cap (the API only records acknowledgements).
-                delete_acknowledged(self.db_url, self.job_id, self.settings)
+                delete_acknowledged_or_log(self.db_url, self.job_id, self.settings)
             unit = retry_db(lambda: self._claim())
             if isinstance(unit, ClaimWait):
                 if wait_for_room(self.settings, self.job_id, self.settings.stream_room_wait_seconds):

@@ -81,6 +81,16 @@ def _delete_objects(
     return [item_id for key, item_id in keys.items() if key in deleted]
 
 
+def delete_acknowledged_or_log(db_url: str, job_id: str, settings: Settings) -> int:
+    """:func:`delete_acknowledged` for callers that must go on whatever happens: a worker about to claim,
+    the reconciler. A shard not deleted stays counted, and the next pass tries again."""
+    try:
+        return delete_acknowledged(db_url, job_id, settings)
+    except Exception as exc:  # noqa: BLE001 - deleting is retried at every claim and reconciler pass
+        log.warning("job %s: acknowledged shards not deleted: %s", job_id, exc)
+        return 0
+
+
 def delete_all_acknowledged(settings: Settings) -> int:
     """The reconciler's part: every job's acknowledged shards not deleted yet, whatever the job's state."""
     db_url = settings.resolved_database_url
@@ -89,10 +99,4 @@ def delete_all_acknowledged(settings: Settings) -> int:
         with session_scope(db_url) as session:
             return repo.consume_jobs_with_acked_undeleted(session)
 
-    deleted = 0
-    for job_id in retry_db(jobs):
-        try:
-            deleted += delete_acknowledged(db_url, job_id, settings)
-        except Exception as exc:  # noqa: BLE001 - one job's trouble must not stop the others' deletion
-            log.warning("job %s: acknowledged shards not deleted: %s", job_id, exc)
-    return deleted
+    return sum(delete_acknowledged_or_log(db_url, job_id, settings) for job_id in retry_db(jobs))
