@@ -167,6 +167,7 @@ def test_a_consumer_killed_holding_a_lease_loses_nothing_and_repeats_nothing(
     assert sum(c["items_acked"] for c in items) == doc["shards"]["total"] == SAMPLES // 2
     assert held  # the shard the killed consumer held went to the survivor after its lease ran out
     assert watch.peak <= cap + largest_shard(stack, job_id), (watch.peak, cap)
+    stack.wait_deleted(job_id)
     assert not list(Path(doc["output_dir"]).glob("shard-*.safetensors"))
 
 
@@ -245,6 +246,7 @@ def assert_streamed_exactly_once(stack: Stack, job_id: str, cap: int, peak: int,
     assert sum(c["items_acked"] for c in consumers) == doc["shards"]["total"] == SAMPLES // 2, consumers
     assert doc["stream"]["items_acked"] == SAMPLES // 2 and doc["stream"]["buffered_bytes"] == 0
     assert peak <= cap + largest_shard(stack, job_id), (peak, cap)
+    stack.wait_deleted(job_id)
     assert not list(Path(doc["output_dir"]).glob("shard-*.safetensors"))
 
 

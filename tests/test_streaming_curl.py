@@ -64,4 +64,5 @@ def test_streaming_curl_walkthrough_runs_as_written(stack: Stack, tmp_path: Path
     assert stream["retention"] == "consume" and stream["cap_bytes"] == 1
     assert stream["buffered_bytes"] == 0 and stream["items_acked"] == len(items)
     assert [c["name"] for c in stream["consumers"]] == ["curl"]
+    stack.wait_deleted(doc["id"])
     assert not any(Path(i["path"]).exists() for i in items)  # acknowledged, so deleted

@@ -44,7 +44,8 @@ from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
-from hsx.streams.contract import ClaimWait
+from hsx.streams.contract import CONSUME, ClaimWait
+from hsx.streams.deletion import delete_acknowledged_or_log
 from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
@@ -276,6 +277,10 @@ class JobRunner:
         while max_units is None or done_here < max_units:
             if SHUTDOWN.is_set():
                 return Outcome(f"stopping after {done_here} unit(s)", True)
+            if job.options.retention == CONSUME:
+                # This host holds the shards: it deletes what consumers acknowledged, which is what makes
+                # room under the cap (the API only records acknowledgements).
+                delete_acknowledged_or_log(self.db_url, self.job_id, self.settings)
             unit = retry_db(lambda: self._claim())
             if isinstance(unit, ClaimWait):
                 if wait_for_room(self.settings, self.job_id, self.settings.stream_room_wait_seconds):
@@ -447,4 +452,4 @@ class JobRunner:
             log.warning("could not release unit %s: %s", unit.id, exc)
 
     def _commit(self, unit: ClaimedUnit, result: UnitResult, output_dir: str) -> bool:
-        return commit_unit(self.db_url, unit, result, output_dir)
+        return commit_unit(self.db_url, unit, result, output_dir, hooks=(stream_service.record_item,))

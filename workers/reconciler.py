@@ -22,6 +22,7 @@ from hsx.jobs.queue import wake_idle_workers
 from hsx.layout import parse_staged_shard_name
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
+from hsx.streams.deletion import delete_all_acknowledged
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,10 @@ def expire_leases_of(db_url: str, owner: str, reason: str = "", max_failures: in
 def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, int]:
     now = time.time() if now is None else now
     db_url = settings.resolved_database_url
-    stats = {"woken": 0, "finalized": 0, "published": 0, "temp_removed": 0, "dumps_removed": 0}
+    stats = {"woken": 0, "finalized": 0, "published": 0, "deleted": 0, "temp_removed": 0, "dumps_removed": 0}
+    # First, so the room it makes is counted below: the last shards of a job are acknowledged after it has
+    # succeeded, and a job whose workers all left at its cap has nobody else to delete them.
+    stats["deleted"] += delete_all_acknowledged(settings)
     with session_scope(db_url) as session:
         job_ids = queries.active_job_ids(session)
     for job_id in job_ids:
