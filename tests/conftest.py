@@ -110,6 +110,7 @@ LONG_MODULES_FIRST = (
     "test_job_options.py",
     "test_s3_job.py",
     "test_stream_faults.py",
+    "test_console_worker.py",
 )
 
 
