@@ -69,12 +69,7 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
             leased = {(u.unit_index, u.attempt) for u in queries.leased_units(session, job_id)}
         if state == JobState.running.value:
             stats["published"] += publish_stragglers(settings, job_id, now)
-        if (
-            state == JobState.running.value
-            and claimable == 0
-            and live == 0
-            and finalize_if_complete(db_url, job_id)
-        ):
+        if state == JobState.running.value and claimable == 0 and live == 0 and _finalize(db_url, job_id):
             stats["finalized"] += 1
             continue
         # Work is waiting and nothing in Redis may wake a worker for it (Redis lost it, a worker died,
@@ -85,6 +80,20 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
         stats["temp_removed"] += _remove_stale_temp(Path(output_dir), leased, now)
     stats["dumps_removed"] += _remove_stale_dumps(settings.resolved_dump_dir, now)
     return stats
+
+
+def _finalize(db_url: str, job_id: str) -> bool:
+    """Finalize a job whose units are all done; an unreachable store leaves it running for the next pass,
+    without cutting this pass short for the jobs after it."""
+    from hsx.storage import StorageError
+
+    try:
+        return finalize_if_complete(db_url, job_id)
+    except StorageError as exc:
+        if exc.error != "unreachable":
+            raise
+        log.warning("job %s: not finalized, its store is unreachable: %s", job_id, exc)
+        return False
 
 
 def wake_for_a_new_worker(settings: Settings) -> int:
