@@ -197,7 +197,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        Console().print(ui.jobs_table(page))
+        console = Console()  # in a pipe, COLUMNS or 80 wide
+        console.print(ui.jobs_table(page, console.width))
     return ui.EXIT_SUCCEEDED
 
 
