@@ -4,7 +4,8 @@ them: a field is a flag with no second list to keep.
 
 A field ``max_length`` is ``--max-length``; a field of a nested model, ``regenerate.top_p``, is
 ``--regenerate-top-p``, and an optional nested model also gets ``--regenerate`` to ask for it with its
-defaults. A Literal or an Enum is a choice, a bool ``--x``/``--no-x``, a list comma-separated values.
+defaults. A Literal or an Enum is a choice, a bool ``--x``/``--no-x``, a list comma-separated values, and
+any other shape (a dict, say) its JSON.
 Each value is checked against its field's constraints as it is parsed (a clear error naming the flag),
 the whole against the model before anything is sent (a rule across fields); the API checks again (422).
 A flag that is not given is not sent, so the API's default (or the deployment's) applies.
@@ -87,7 +88,10 @@ def options_from_args(
 
 def describe_error(exc: ValidationError) -> str:
     """A model's validation error as flags: ``--max-length: Input should be ...``."""
-    return "; ".join(f"{flag_name(tuple(str(p) for p in e['loc']))}: {e['msg']}" for e in exc.errors())
+    return "; ".join(
+        f"{flag_name(tuple(str(p) for p in e['loc'])) if e['loc'] else 'options'}: {e['msg']}"
+        for e in exc.errors()
+    )
 
 
 def _fields(
@@ -117,7 +121,7 @@ def _add_value_flag(group: argparse._ArgumentGroup, flag: OptionFlag, info: Fiel
     inner, _ = _unwrap_optional(info.annotation)
     text = (info.description or "").strip()
     default = "" if info.is_required() or info.default is None else f" (default: {_shown(info.default)})"
-    check = _checker(flag.flag, info)
+    check = _checker(info)
     if inner is bool:
         group.add_argument(
             flag.flag,
@@ -138,27 +142,27 @@ def _add_value_flag(group: argparse._ArgumentGroup, flag: OptionFlag, info: Fiel
             help=text + default,
         )
         return
-    if get_origin(inner) is list:
-        (item,) = get_args(inner)
-        convert = _scalar(flag.flag, item)
-        group.add_argument(
-            flag.flag,
-            dest=flag.dest,
-            type=lambda raw: check([convert(part.strip()) for part in raw.split(",") if part.strip()]),
-            default=None,
-            metavar="A,B,...",
-            help=text + default,
-        )
-        return
-    convert = _scalar(flag.flag, inner)
+    convert, metavar = _reader(inner)
     group.add_argument(
         flag.flag,
         dest=flag.dest,
         type=lambda raw: check(convert(raw)),
         default=None,
-        metavar=inner.__name__.upper(),
+        metavar=metavar,
         help=text + default,
     )
+
+
+def _reader(kind: Any) -> tuple[Callable[[str], Any], str]:
+    """How a flag's text becomes a value of ``kind``, and what the help calls it: a plain value as itself,
+    a list of plain values comma-separated, any other shape (a dict, a list of lists) as its JSON."""
+    scalar = _scalar(kind)
+    if scalar is not None:
+        return scalar, kind.__name__.upper() if isinstance(kind, type) else "VALUE"
+    item = _scalar(get_args(kind)[0]) if get_origin(kind) is list and get_args(kind) else None
+    if item is not None:
+        return (lambda raw: [item(part.strip()) for part in raw.split(",") if part.strip()]), "A,B,..."
+    return _json_value, "JSON"
 
 
 def _choices(annotation: Any) -> list[Any] | None:
@@ -169,8 +173,8 @@ def _choices(annotation: Any) -> list[Any] | None:
     return None
 
 
-def _scalar(flag: str, kind: Any) -> Callable[[str], Any]:
-    """How one value of ``kind`` is read from the command line."""
+def _scalar(kind: Any) -> Callable[[str], Any] | None:
+    """How one value of ``kind`` is read from the command line, if it is a plain value."""
     choices = _choices(kind)
     if choices is not None:
 
@@ -187,7 +191,14 @@ def _scalar(flag: str, kind: Any) -> Callable[[str], Any]:
         return lambda raw: _number(raw, float, "a number")
     if kind is str:
         return str
-    raise TypeError(f"{flag}: no command-line form for {kind!r}; teach hsx/cli_options.py one")
+    return None
+
+
+def _json_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not JSON") from None
 
 
 def _number(raw: str, kind: type[int] | type[float], what: str) -> int | float:
@@ -197,17 +208,19 @@ def _number(raw: str, kind: type[int] | type[float], what: str) -> int | float:
         raise argparse.ArgumentTypeError(f"{raw!r} is not {what}") from None
 
 
-def _checker(flag: str, info: FieldInfo) -> Callable[[Any], Any]:
+def _checker(info: FieldInfo) -> Callable[[Any], Any]:
     """A value checked against its field's own constraints (ge, le, min_length...), not the model's rules
-    across fields: those are checked on the whole (:func:`options_from_args`)."""
+    across fields: those are checked on the whole (:func:`options_from_args`). The value is kept as given
+    (what validation makes of it, an Enum say, is not what the request sends)."""
     constrained: Any = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
     adapter: TypeAdapter[Any] = TypeAdapter(constrained)
 
     def check(value: Any) -> Any:
         try:
-            return adapter.validate_python(value)
+            adapter.validate_python(value)
         except ValidationError as exc:
             raise argparse.ArgumentTypeError("; ".join(e["msg"] for e in exc.errors())) from None
+        return value
 
     return check
 

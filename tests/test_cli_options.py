@@ -129,6 +129,8 @@ class Future(BaseModel):
     regenerate: Sampling | None = None
     stop: list[str] | None = None
     strict_mode: bool = False
+    keep_turns: list[Turns] | None = None
+    weights: dict[str, float] | None = None
 
 
 def parse_future(*argv: str) -> dict[str, Any]:
@@ -156,12 +158,16 @@ def test_nested_models_enums_bools_and_lists_get_flags_of_their_own() -> None:
         parse_future("--regenerate-turns", "first")
 
 
-def test_a_field_no_flag_can_express_is_an_error_when_the_parser_is_built() -> None:
-    class Odd(BaseModel):
-        weights: dict[str, float] = {}
-
-    with pytest.raises(TypeError, match="--weights"):
-        add_model_flags(argparse.ArgumentParser(), Odd)
+def test_lists_of_choices_go_comma_separated_and_other_shapes_as_json() -> None:
+    options = parse_future("--keep-turns", "all,last", "--weights", '{"a": 0.5, "b": 2}')
+    assert options == {"keep_turns": ["all", "last"], "weights": {"a": 0.5, "b": 2}}
+    json.dumps(options)  # plain values, as the request sends them
+    with pytest.raises(argparse.ArgumentError, match="--keep-turns"):
+        parse_future("--keep-turns", "all,first")
+    with pytest.raises(argparse.ArgumentError, match="is not JSON"):
+        parse_future("--weights", "a=0.5")
+    with pytest.raises(argparse.ArgumentError, match="valid number"):
+        parse_future("--weights", '{"a": "heavy"}')
 
 
 @postgres_only
