@@ -45,7 +45,8 @@ def flag_name(path: tuple[str, ...]) -> str:
 
 def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> list[OptionFlag]:
     """Add a flag for every field of ``model`` (and of its nested models) to ``parser``; the flags added.
-    A field no flag can express is an error here, when the parser is built (so a test finds it)."""
+    A field whose flag clashes with one the command has (``--json``, ``--wait``) fails here, when the
+    parser is built, so that a test finds it."""
     group = parser.add_argument_group(f"{model.__name__} (each left out takes the API's default)")
     flags: list[OptionFlag] = []
     for path, info, enables_model in _fields(model, ()):
