@@ -26,6 +26,7 @@ import numpy.typing as npt
 from hsx import contract, layout
 from hsx.engine_client import DumpCorrupt, DumpMissing
 from hsx.safetensors_io import SafetensorsError, TensorSpec, read_header
+from hsx.samples import bf16_words_to_float32
 from hsx.validation import DumpVerdict, check_dump, count_non_finite
 
 # How a dump's safetensors dtype is held in numpy; bf16 has no numpy type, so its words stay uint16.
@@ -214,6 +215,5 @@ def read_dump(dump_dir: str, rid: str, wait_seconds: float) -> Dump:
 def as_float32(raw: npt.NDArray[Any], dtype: str) -> npt.NDArray[np.float32]:
     """A state as float32: bf16 words are the high halves of float32 words, so they widen by a shift."""
     if contract.STATE_DTYPES.get(dtype) == "BF16":
-        words = np.ascontiguousarray(raw).view(np.uint16)
-        return (words.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return bf16_words_to_float32(np.ascontiguousarray(raw).view(np.uint16))
     return np.asarray(raw, dtype=np.float32)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from hsx.samples import bf16_words_to_float32
+
 if TYPE_CHECKING:
     import torch
 
@@ -62,7 +64,7 @@ DECODE_TABLE = _decode_table()  # code -> float32, exact
 def _to_float32(rows: npt.NDArray[Any], source_dtype: str) -> npt.NDArray[np.float32]:
     """``rows`` as float32: BF16 given as its uint16 words (widened exactly), F16 or F32 as themselves."""
     if source_dtype == "BF16":
-        return (rows.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return bf16_words_to_float32(rows)
     return rows.astype(np.float32, copy=False)
 
 

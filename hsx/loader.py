@@ -18,9 +18,8 @@ import hashlib
 import mmap
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -36,9 +35,10 @@ from hsx.layout import (
 )
 from hsx.manifest import Manifest, ShardEntry
 from hsx.safetensors_io import SafetensorsError, TensorSpec, parse_header
-
-if TYPE_CHECKING:
-    import torch
+from hsx.samples import Sample as Sample  # the loader's public names; defined beside the torch converter
+from hsx.samples import TorchSample as TorchSample
+from hsx.samples import bf16_words_to_float32 as bf16_words_to_float32
+from hsx.samples import to_torch
 
 _NUMPY_DTYPES = {
     "F8_E4M3": "u1",
@@ -59,43 +59,6 @@ class LoaderError(Exception):
 
 class ChecksumMismatch(LoaderError):
     pass
-
-
-@dataclass(frozen=True)
-class Sample:
-    index: int
-    input_ids: npt.NDArray[np.int32]  # [T]
-    loss_mask: npt.NDArray[np.uint8]  # [T]
-    # [T, H] post-norm final state; None when the job captured only the pre-norm one (final_state "pre").
-    # float32 (from bf16), or raw uint16 bf16 words on request.
-    hidden_state: npt.NDArray[Any] | None
-    aux_hidden_state: npt.NDArray[Any]  # [T, len(aux) * H], the aux layers side by side
-    final_pre_norm: npt.NDArray[Any] | None = None  # [T, H] when the job captured it
-    # raw_fp8 on a schema 3 output: the states above are e4m3 codes (uint8) and these their float32
-    # per-token scales (value = fp8.DECODE_TABLE[code] * scale); None otherwise.
-    hidden_state_scale: npt.NDArray[np.float32] | None = None  # [T]
-    aux_hidden_state_scale: npt.NDArray[np.float32] | None = None  # [T, len(aux)], one per aux layer
-    final_pre_norm_scale: npt.NDArray[np.float32] | None = None  # [T]
-
-
-@dataclass(frozen=True)
-class TorchSample:
-    index: int
-    input_ids: torch.Tensor  # int32
-    loss_mask: torch.Tensor  # uint8
-    # The shard's dtype (bfloat16 stays bfloat16); fp8 comes dequantized to bfloat16, or with raw_fp8 as
-    # torch.float8_e4m3fn with the float32 scales below.
-    hidden_state: torch.Tensor | None
-    aux_hidden_state: torch.Tensor
-    final_pre_norm: torch.Tensor | None = None
-    hidden_state_scale: torch.Tensor | None = None
-    aux_hidden_state_scale: torch.Tensor | None = None
-    final_pre_norm_scale: torch.Tensor | None = None
-
-
-def bf16_words_to_float32(words: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
-    """Exact: a bf16 value is the upper half of the float32 with the same bits."""
-    return (words.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 class ShardView:
@@ -321,35 +284,6 @@ class OutputReader:
             self._open.pop(number, None)  # done with it: let the mapping go
 
 
-def _to_torch(sample: Sample, dtype: str, raw_fp8: bool = False) -> TorchSample:
-    """``dtype``: the manifest's; fp8 samples arrive dequantized (float32) unless ``raw_fp8``."""
-    import torch
-
-    def states(words: npt.NDArray[Any]) -> torch.Tensor:
-        if dtype == "BF16":  # same bits, reinterpreted; torch's uint16 support is too thin to go through it
-            return torch.from_numpy(words.view(np.int16)).view(torch.bfloat16)
-        if dtype == fp8.FP8_DTYPE:
-            if raw_fp8:
-                return torch.from_numpy(words).view(torch.float8_e4m3fn)
-            return torch.from_numpy(words).to(torch.bfloat16)
-        return torch.from_numpy(words)
-
-    def scales(values: npt.NDArray[np.float32] | None) -> torch.Tensor | None:
-        return None if values is None else torch.from_numpy(values)
-
-    return TorchSample(
-        index=sample.index,
-        input_ids=torch.from_numpy(sample.input_ids),
-        loss_mask=torch.from_numpy(sample.loss_mask),
-        hidden_state=None if sample.hidden_state is None else states(sample.hidden_state),
-        aux_hidden_state=states(sample.aux_hidden_state),
-        final_pre_norm=None if sample.final_pre_norm is None else states(sample.final_pre_norm),
-        hidden_state_scale=scales(sample.hidden_state_scale),
-        aux_hidden_state_scale=scales(sample.aux_hidden_state_scale),
-        final_pre_norm_scale=scales(sample.final_pre_norm_scale),
-    )
-
-
 @overload
 def iter_samples(
     output_dir: Path | str,
@@ -391,4 +325,4 @@ def iter_samples(
         return iter(OutputReader(output_dir, verify_checksums, raw_bf16, raw_fp8))
     reader = OutputReader(output_dir, verify_checksums, raw_bf16=True, raw_fp8=raw_fp8)
     dtype = reader.manifest.dtype
-    return (_to_torch(sample, dtype, raw_fp8) for sample in reader)
+    return (to_torch(sample, dtype) for sample in reader)

@@ -14,8 +14,9 @@
 
 Each item is a dict: ``index`` (dataset index), ``input_ids`` int64 [T], ``loss_mask`` int64 [T],
 ``hidden_state`` [T, H] (post-norm final; absent when the job captured only the pre-norm one),
-``aux_hidden_state`` [T, A*H] and, when captured, ``final_pre_norm`` [T, H], states in the shard's dtype
-(bf16 stays ``torch.bfloat16``).
+``aux_hidden_state`` [T, A*H] and, when captured, ``final_pre_norm`` [T, H], states as
+:func:`hsx.samples.to_torch` gives them for the manifest's dtype (bf16 stays ``torch.bfloat16``; fp8 comes
+dequantized to ``torch.bfloat16``), the same for every reader of the job.
 
 Readers are opened lazily in the process that uses them, so the datasets pickle (spawned workers) and a
 forked DataLoader worker never shares a parent's file mappings.
@@ -29,39 +30,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from hsx.loader import OutputReader, Sample
-from hsx.manifest import FP8_DTYPE, Manifest
-
-Item = dict[str, Any]
-STATE_FIELDS = ("hidden_state", "aux_hidden_state", "final_pre_norm")
-
-
-def _states(words: npt.NDArray[Any], bf16: bool, to_bf16: bool = False) -> torch.Tensor:
-    if bf16:  # uint16 words of bf16 values: the same bits reinterpreted, no copy
-        return torch.from_numpy(words.view(np.int16)).view(torch.bfloat16)
-    if to_bf16:
-        return torch.from_numpy(words).to(torch.bfloat16)
-    return torch.from_numpy(words)
-
-
-def sample_item(sample: Sample, bf16: bool, to_bf16: bool = False) -> Item:
-    """One sample (read with ``raw_bf16`` when the shards are BF16) as a dict of tensors; ``to_bf16``
-    narrows float32 states (an fp8 output's, dequantized by the reader) to bfloat16."""
-    item: Item = {
-        "index": sample.index,
-        "input_ids": torch.from_numpy(sample.input_ids.astype(np.int64)),
-        "loss_mask": torch.from_numpy(sample.loss_mask.astype(np.int64)),
-    }
-    for name in STATE_FIELDS:
-        value = getattr(sample, name, None)
-        if value is not None:
-            item[name] = _states(value, bf16, to_bf16)
-    return item
+from hsx.loader import OutputReader
+from hsx.manifest import Manifest
+from hsx.samples import STATE_FIELDS, Item, sample_item
+from hsx.streams.torch_stream import JobStream, JobStreamError  # re-exported: the torch views in one place
 
 
 class _ProcessLocalReader:
@@ -92,8 +67,6 @@ class OutputDataset(Dataset[Item]):
     def __init__(self, output_dir: Path | str, *, verify_checksums: bool = False) -> None:
         self.output_dir = Path(output_dir)
         self.manifest = Manifest.load(self.output_dir)
-        self._bf16 = self.manifest.dtype == "BF16"
-        self._fp8 = self.manifest.dtype == FP8_DTYPE  # dequantized by the reader, handed on as bf16
         self._length = sum(entry.samples for entry in self.manifest.shards)
         self._reader = _ProcessLocalReader(self.output_dir, verify_checksums)
 
@@ -101,7 +74,7 @@ class OutputDataset(Dataset[Item]):
         return self._length
 
     def __getitem__(self, i: int) -> Item:
-        return sample_item(self._reader.get()[i], self._bf16, self._fp8)
+        return sample_item(self._reader.get()[i], self.manifest.dtype)
 
 
 def split_shards(counts: Sequence[int], parts: int, order: Sequence[int] | None = None) -> list[list[int]]:
@@ -159,8 +132,6 @@ class ShardedIterableDataset(IterableDataset[Item]):
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
-        self._bf16 = self.manifest.dtype == "BF16"
-        self._fp8 = self.manifest.dtype == FP8_DTYPE
         self._reader = _ProcessLocalReader(self.output_dir, verify_checksums)
 
     def set_epoch(self, epoch: int) -> None:
@@ -182,7 +153,7 @@ class ShardedIterableDataset(IterableDataset[Item]):
         reader = self._reader.get()
         for shard in self.shards_for(worker, num_workers):
             for sample in reader.iter_shard(shard):
-                yield sample_item(sample, self._bf16, self._fp8)
+                yield sample_item(sample, self.manifest.dtype)
 
 
 def collate_samples(
@@ -232,8 +203,6 @@ def collate_samples(
                 out[name][row, :length] = item[name][:length]
     return out
 
-
-from hsx.streams.torch_stream import JobStream, JobStreamError  # noqa: E402  (re-exported here)
 
 __all__ = [
     "JobStream",

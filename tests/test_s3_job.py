@@ -1,8 +1,9 @@
 """Jobs and object storage (moto's server): a dataset that is a Parquet file in S3 (submitted as its s3://
 URI, fetched and converted by the worker that prepares the job) gives the samples of the same job on the
 original JSONL file; an output published to ``HSX_OUTPUT_URI`` goes up unit by unit, each shard as its
-unit commits and the manifest last, so a consume job is read entirely through the store by a consumer
-that cannot see the workers' disk; a worker killed mid-upload leaves nothing half-written."""
+unit commits and the manifest last, so a consume job (bf16 or fp8, both read as bfloat16) is read
+entirely through the store by a consumer that cannot see the workers' disk; a worker killed mid-upload
+leaves nothing half-written."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from hsx.loader import iter_samples
 from tests.conftest import REDIS_URL
 from tests.fixtures.s3 import MIN_PART_BYTES, S3Bucket
 from tests.fixtures.stack import REPO, TEST_TOKEN, make_stack
-from tests.fixtures.synthetic import Engines, write_pretokenized
+from tests.fixtures.synthetic import Engines, expected_tensors, write_pretokenized
 
 MULTI_TURN = REPO / "tests" / "data" / "short_chats.jsonl"
 
@@ -179,8 +180,15 @@ class OnAnotherHost:
 
 
 @postgres_only
+@pytest.mark.parametrize(("state_dtype", "cap"), [("engine", 60_000), ("fp8_e4m3", 40_000)])
 def test_a_consume_job_is_read_entirely_through_the_store_and_acknowledged_objects_go(
-    db_url: str, engines: Engines, s3_bucket: S3Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    db_url: str,
+    engines: Engines,
+    s3_bucket: S3Bucket,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    state_dtype: str,
+    cap: int,
 ) -> None:
     from torch.utils.data import DataLoader
 
@@ -199,7 +207,8 @@ def test_a_consume_job_is_read_entirely_through_the_store_and_acknowledged_objec
     stack = make_stack(db_url, REDIS_URL, engine.url, tmp_path, monkeypatch, **store_settings(s3_bucket))
     data = write_pretokenized(tmp_path / "d.jsonl", [48] * 8)
     # About two shards' worth of cap for four shards: the job finishes only as the trainer acknowledges.
-    job = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=60_000)
+    options: dict[str, Any] = {"retention": "consume", "buffer_cap_bytes": cap, "state_dtype": state_dtype}
+    job = stack.submit(data, samples_per_shard=2, **options)
     job_id, prefix = job["id"], f"outputs/{job['id']}/"
     seen: list[tuple[int, list[int]]] = []
     held: int | None = None
@@ -211,6 +220,10 @@ def test_a_consume_job_is_read_entirely_through_the_store_and_acknowledged_objec
                 seen += [
                     (int(i), ids.tolist()) for i, ids in zip(batch["index"], batch["input_ids"], strict=True)
                 ]
+                for row, ids in enumerate(batch["input_ids"].tolist()):
+                    for name, want in expected_tensors(ids, state_dtype).items():
+                        assert batch[name].dtype == torch.bfloat16, (name, batch[name].dtype)
+                        assert torch.equal(batch[name][row], want), (row, name)
                 if held is None:
                     held = int(batch["stream_ref"][0][1])  # never acknowledged: it stays, in the store too
                     continue
@@ -231,7 +244,7 @@ def test_a_consume_job_is_read_entirely_through_the_store_and_acknowledged_objec
     stream_doc = doc["stream"]
     sizes = [s["bytes"] for s in stack.client.get(f"/jobs/{job_id}/shards").json()["items"]]
     assert stream_doc["items_acked"] == 3 and stream_doc["buffered_bytes"] == host_b.items[held]["bytes"]
-    assert 0 < max(sizes) * 2 <= 60_000 < sum(sizes), sizes  # the cap held the job back
+    assert 0 < max(sizes) * 2 <= cap < sum(sizes), sizes  # the cap held the job back
 
 
 @postgres_only

@@ -4,9 +4,11 @@ SpecForge's own consumer classes read it with no hsx code on their side: ``Strea
 with the EAGLE-3 streaming provider's collator.
 
 Real reference engine, real worker process, real API over HTTP, PostgreSQL and Redis. Every tensor the
-trainer gets is compared with the hsx shard it came from (read with hsx's own reader while the shard is
-still there) and with the dataset's tokens. The consume job runs with a cap of one byte, so hsx works one
-unit at a time: the job only finishes because SpecForge's consumed counter lets the publisher acknowledge.
+trainer gets is compared with the hsx shard it came from (read with hsx's own numpy reader while the shard
+is still there) and with the dataset's tokens, for a job in the engine's dtype and for an fp8 one (whose
+states the trainer gets as bfloat16, as from every other reader). The consume job runs with a cap of one
+byte, so hsx works one unit at a time: the job only finishes because SpecForge's consumed counter lets the
+publisher acknowledge.
 """
 
 from __future__ import annotations
@@ -90,8 +92,14 @@ class PublisherThread:
         return self.result
 
 
+# The tensor dtype every torch reader gives for a manifest's dtype (fp8 comes dequantized to bf16).
+TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.bfloat16}
+
+
 class HsxShards:
-    """What hsx wrote, by sample index, read with hsx's reader from the job's committed shards."""
+    """What hsx wrote, by sample index, read with hsx's numpy reader (states as float32) from the job's
+    committed shards, as the tensors a torch reader must give: states in the manifest dtype's torch
+    dtype."""
 
     def __init__(self, stack: Stack, job_id: str) -> None:
         self.stack, self.job_id = stack, job_id
@@ -104,20 +112,25 @@ class HsxShards:
         return self.samples[index]
 
     def _read_new(self) -> None:
-        from hsx.streams.reader import item_samples, manifest_for
-        from hsx.torch_data import sample_item
+        from hsx.streams.reader import manifest_for, open_item
 
         doc = self.stack.job(self.job_id)
         manifest = manifest_for(doc)
-        bf16 = manifest.dtype == "BF16"
+        self.dtype = TORCH_DTYPES[manifest.dtype]
         shards = self.stack.client.get(f"/jobs/{self.job_id}/shards", params={"limit": 1000}).json()["items"]
         for entry in shards:
             path = Path(doc["output_dir"]) / entry["path"]
             if entry["path"] in self.read or not path.exists():
                 continue
             # The shard listing carries no header checksum; the publisher checked both when it leased it.
-            for sample in item_samples({**entry, "path": str(path)}, manifest, verify=False, raw_bf16=bf16):
-                self.samples[sample.index] = sample_item(sample, bf16)
+            view = open_item({**entry, "path": str(path)}, manifest, verify=False)
+            for sample in (view.sample(k) for k in range(len(view))):
+                self.samples[sample.index] = {
+                    "input_ids": torch.from_numpy(sample.input_ids).long(),
+                    "loss_mask": torch.from_numpy(sample.loss_mask).long(),
+                    "hidden_state": torch.from_numpy(sample.hidden_state).to(self.dtype),
+                    "aux_hidden_state": torch.from_numpy(sample.aux_hidden_state).to(self.dtype),
+                }
             self.read.add(entry["path"])
 
 
@@ -195,6 +208,7 @@ def api(stack: Stack) -> Iterator[str]:
 
 
 @postgres_only
+@pytest.mark.parametrize("state_dtype", ["engine", "fp8_e4m3"])
 @pytest.mark.parametrize(
     "backend",
     [
@@ -205,7 +219,7 @@ def api(stack: Stack) -> Iterator[str]:
     ],
 )
 def test_specforge_reads_a_running_job_with_every_tensor_as_hsx_wrote_it(
-    stack: Stack, api: str, tmp_path: Path, backend: str, request: pytest.FixtureRequest
+    stack: Stack, api: str, tmp_path: Path, backend: str, state_dtype: str, request: pytest.FixtureRequest
 ) -> None:
     from specforge.algorithms.eagle3.providers import algorithm_spec
 
@@ -220,7 +234,8 @@ def test_specforge_reads_a_running_job_with_every_tensor_as_hsx_wrote_it(
         sink = MooncakeFeatures(setup, STORE_ID)
         store = MooncakeFeatureStore(store_id=STORE_ID, setup_kwargs=kw)  # SpecForge's own client
     data = write_pretokenized(tmp_path / "d.jsonl", [24, 31, 17, 40, 24, 29])
-    job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=1)["id"]
+    options: dict[str, Any] = {"retention": "consume", "buffer_cap_bytes": 1, "state_dtype": state_dtype}
+    job_id = stack.submit(data, samples_per_shard=2, **options)["id"]
     stack.start_worker()
     publisher = PublisherThread(api, job_id, tmp_path, window=2, sink=sink)
     loader, _ = specforge_loader(tmp_path, store=store)
@@ -252,7 +267,7 @@ def test_specforge_reads_a_running_job_with_every_tensor_as_hsx_wrote_it(
         assert torch.equal(got["input_ids"], want["input_ids"].unsqueeze(0))
         assert torch.equal(got["loss_mask"], want["loss_mask"].unsqueeze(0))
         assert torch.equal(got["attention_mask"], torch.ones_like(got["input_ids"]))
-        assert got["hidden_state"].dtype == want["aux_hidden_state"].dtype
+        assert got["hidden_state"].dtype == got["target"].dtype == hsx.dtype
         assert torch.equal(got["hidden_state"], want["aux_hidden_state"].unsqueeze(0))
         assert torch.equal(got["target"], want["hidden_state"].unsqueeze(0))
         assert got["target"].shape[-1] * 3 == got["hidden_state"].shape[-1]

@@ -1,10 +1,12 @@
 """``hsx.torch_data.JobStream`` follows a consume job through the real API while a real worker process
-runs it: DataLoader workers split the shards with no sample twice, the training loop acknowledges after
+runs it: DataLoader workers split the shards with no sample twice and get every sample's states as
+bfloat16 whether the job stores bf16 or fp8, the training loop acknowledges after
 each optimizer step (and the shards go), the stream ends when the job has succeeded, and a cancelled job
 raises instead of looking like the end of the data."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from tests.fixtures.live_server import serve_in_thread
 from tests.fixtures.stack import TEST_TOKEN, Stack, make_stack
-from tests.fixtures.synthetic import Engines, Synthetic, write_pretokenized
+from tests.fixtures.synthetic import Engines, Synthetic, expected_tensors, write_pretokenized
 
 postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 
@@ -37,17 +39,20 @@ def synth(
 
 
 @postgres_only
+@pytest.mark.parametrize(("state_dtype", "cap"), [("engine", 110_000), ("fp8_e4m3", 75_000)])
 def test_dataloader_workers_split_a_running_job_and_ack_after_each_step(
-    synth: tuple[Stack, Synthetic],
+    synth: tuple[Stack, Synthetic], state_dtype: str, cap: int
 ) -> None:
     from app.main import create_app
     from hsx.torch_data import JobStream, collate_samples
 
     stack, _engine = synth
     data = write_pretokenized(stack.tmp / "d.jsonl", [48] * 12)
+    records = [json.loads(line) for line in data.read_text().splitlines()]
     # About four shards' worth of cap for six shards: the job only finishes if the trainer acknowledges as
     # it goes. (The cap must hold what the DataLoader prefetches: workers x prefetch_factor batches.)
-    job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=110_000)["id"]
+    options: dict[str, Any] = {"retention": "consume", "buffer_cap_bytes": cap, "state_dtype": state_dtype}
+    job_id = stack.submit(data, samples_per_shard=2, **options)["id"]
     stack.start_worker()
     model = torch.nn.Linear(32, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -58,6 +63,13 @@ def test_dataloader_workers_split_a_running_job_and_ack_after_each_step(
             stream, batch_size=2, num_workers=2, prefetch_factor=1, collate_fn=collate_samples, timeout=120
         )
         for batch in loader:
+            for row, index in enumerate(batch["index"].tolist()):
+                length = int(batch["lengths"][row])
+                ids = records[index]["input_ids"]
+                assert batch["input_ids"][row, :length].tolist() == ids
+                for name, want in expected_tensors(ids, state_dtype).items():
+                    assert batch[name].dtype == torch.bfloat16, (name, batch[name].dtype)
+                    assert torch.equal(batch[name][row, :length], want), (index, name)
             loss = model(batch["hidden_state"].float()).pow(2).mean()
             loss.backward()
             optimizer.step()
@@ -73,7 +85,7 @@ def test_dataloader_workers_split_a_running_job_and_ack_after_each_step(
     assert {c["name"] for c in stream_doc["consumers"]} == {"trainer-rank0-worker0", "trainer-rank0-worker1"}
     stack.wait_deleted(job_id)
     assert not list(Path(doc["output_dir"]).glob("shard-*.safetensors"))  # acknowledged, so deleted
-    assert 0 < max(shard_bytes) * 4 <= 110_000 < sum(shard_bytes), shard_bytes
+    assert 0 < max(shard_bytes) * 4 <= cap < sum(shard_bytes), shard_bytes
 
 
 @postgres_only

@@ -1,9 +1,11 @@
-"""The torch views over native shards: random access, the rank and worker split, the collate function."""
+"""The torch views over native shards: random access, the rank and worker split, the collate function; each
+on a bf16 output and on an fp8 one, whose states come out as bfloat16 too."""
 
 from __future__ import annotations
 
 import pickle
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from hsx.loader import iter_samples
+from hsx.loader import Sample, iter_samples
 from hsx.torch_data import (
     OutputDataset,
     ShardedIterableDataset,
@@ -25,31 +27,39 @@ LENGTHS = (5, 9, 3, 12, 7, 4, 8, 6, 2, 11, 5, 3, 9, 4, 7, 10, 3, 6, 5)
 SPEC = OutputSpec(lengths=LENGTHS, samples_per_shard=3, final_state="both", skip_indices=(2, 7, 11))
 
 
-@pytest.fixture(scope="module")
-def output(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["BF16", "F8_E4M3"])
+def output(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("torch-data") / "out"
-    write_output(directory, SPEC)
+    write_output(directory, replace(SPEC, dtype=request.param))
     return directory
 
 
-def native(output: Path) -> dict[int, object]:
-    return {s.index: s for s in iter_samples(output, as_torch=True)}
+def native(output: Path) -> dict[int, Sample]:
+    """The numpy loader's samples: states as float32 (bf16 widened, fp8 dequantized)."""
+    return {s.index: s for s in iter_samples(output)}
 
 
-def same(item: dict[str, object], sample: object) -> bool:
+def bf16(values: np.ndarray | None) -> torch.Tensor:
+    """What a torch reader must give for a state the numpy loader reads as ``values``: bfloat16, whether
+    the shard holds bf16 (exact) or fp8 (dequantized, then narrowed)."""
+    assert values is not None
+    return torch.from_numpy(values).to(torch.bfloat16)
+
+
+def same(item: dict[str, object], sample: Sample) -> bool:
     checks = [
-        torch.equal(item["input_ids"], sample.input_ids.long()),  # type: ignore[attr-defined]
-        torch.equal(item["loss_mask"], sample.loss_mask.long()),  # type: ignore[attr-defined]
-        torch.equal(item["hidden_state"], sample.hidden_state),  # type: ignore[attr-defined]
-        torch.equal(item["aux_hidden_state"], sample.aux_hidden_state),  # type: ignore[attr-defined]
-        torch.equal(item["final_pre_norm"], sample.final_pre_norm),  # type: ignore[attr-defined]
+        torch.equal(item["input_ids"], torch.from_numpy(sample.input_ids).long()),  # type: ignore[arg-type]
+        torch.equal(item["loss_mask"], torch.from_numpy(sample.loss_mask).long()),  # type: ignore[arg-type]
+        torch.equal(item["hidden_state"], bf16(sample.hidden_state)),  # type: ignore[arg-type]
+        torch.equal(item["aux_hidden_state"], bf16(sample.aux_hidden_state)),  # type: ignore[arg-type]
+        torch.equal(item["final_pre_norm"], bf16(sample.final_pre_norm)),  # type: ignore[arg-type]
     ]
     return all(checks)
 
 
 def test_map_dataset_gives_every_sample_in_manifest_order(output: Path) -> None:
     dataset = OutputDataset(output)
-    samples = list(iter_samples(output, as_torch=True))
+    samples = list(iter_samples(output))
     assert len(dataset) == len(samples) == len(LENGTHS)
     for i in (0, 5, len(samples) - 1, 3, 1):  # out of order: random access across shards
         item = dataset[i]
@@ -84,9 +94,10 @@ def test_two_ranks_with_two_workers_each_see_every_sample_exactly_once(output: P
             for row, index in enumerate(batch["index"].tolist()):
                 length = int(batch["lengths"][row])
                 sample = expected[index]
-                assert torch.equal(batch["input_ids"][row, :length], sample.input_ids.long())  # type: ignore[attr-defined]
-                assert torch.equal(batch["aux_hidden_state"][row, :length], sample.aux_hidden_state)  # type: ignore[attr-defined]
-                assert torch.equal(batch["final_pre_norm"][row, :length], sample.final_pre_norm)  # type: ignore[attr-defined]
+                want_ids = torch.from_numpy(sample.input_ids).long()
+                assert torch.equal(batch["input_ids"][row, :length], want_ids)
+                assert torch.equal(batch["aux_hidden_state"][row, :length], bf16(sample.aux_hidden_state))
+                assert torch.equal(batch["final_pre_norm"][row, :length], bf16(sample.final_pre_norm))
                 indices.append(index)
         per_rank.append(indices)
         seen.update(indices)

@@ -34,7 +34,7 @@ from hsx.manifest import MANIFEST_FILE, Manifest, ManifestError
 from hsx.settings import Settings
 
 if TYPE_CHECKING:
-    from hsx.loader import TorchSample
+    from hsx.samples import TorchSample
 
 FORMATS = ("specforge", "speculators", "modelopt")
 REPORT_FILE = "hsx_export.json"

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from hsx.export.common import ExportError, TargetWriter, write_file
 
 if TYPE_CHECKING:
-    from hsx.loader import TorchSample
+    from hsx.samples import TorchSample
 
 
 class ModelOptWriter(TargetWriter):

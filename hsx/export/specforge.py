@@ -32,7 +32,7 @@ from hsx.manifest import Manifest
 if TYPE_CHECKING:
     import torch
 
-    from hsx.loader import TorchSample
+    from hsx.samples import TorchSample
 
 VOCAB_MAPPING_FILE = "vocab_mapping/vocab_mapping.pt"
 _FEATURE_SUFFIXES = (".ckpt", ".ckpt.gz")

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
     import torch
 
-    from hsx.loader import TorchSample
+    from hsx.samples import TorchSample
 
 ARROW_FILE = "data-00000-of-00001.arrow"
 HIDDEN_STATES_DIR = "hidden_states"

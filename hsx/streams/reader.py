@@ -13,8 +13,9 @@ from urllib.parse import urlsplit
 
 from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.job_options import JobOptions
-from hsx.loader import LoaderError, Sample, ShardView
+from hsx.loader import LoaderError, ShardView
 from hsx.manifest import Manifest, ShardEntry, job_manifest
+from hsx.samples import Sample
 
 # Where a consumer reads an item: its path, its object in the store, or the path when it can see it.
 Source = Literal["auto", "file", "s3"]
@@ -79,13 +80,11 @@ def _download(uri: str, target: Path) -> None:
 
 
 def item_samples(
-    item: dict[str, Any],
-    manifest: Manifest,
-    verify: bool = True,
-    raw_bf16: bool = False,
-    source: Source = "auto",
+    item: dict[str, Any], manifest: Manifest, verify: bool = True, source: Source = "auto"
 ) -> Iterator[Sample]:
-    """The item's samples. The shard is opened (and checked) by this call, not at the first sample, so
-    :class:`ShardGone` and checksum errors are raised here."""
+    """The item's samples, read as a torch reader reads them (bf16 as its words: hand each to
+    :func:`hsx.samples.sample_item` or :func:`hsx.samples.to_torch` with the manifest's dtype). The shard is
+    opened (and checked) by this call, not at the first sample, so :class:`ShardGone` and checksum errors
+    are raised here."""
     view = open_item(item, manifest, verify, source)
-    return (view.sample(k, raw_bf16) for k in range(len(view)))
+    return (view.sample(k, raw_bf16=True) for k in range(len(view)))

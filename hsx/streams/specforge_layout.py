@@ -26,8 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from hsx.fsutil import fsync_dir
-from hsx.loader import Sample
-from hsx.torch_data import sample_item
+from hsx.samples import Sample, sample_item
 
 SCHEMA_VERSION = 1  # specforge.runtime.contracts.SCHEMA_VERSION in 0.2.0
 GENERATION = 1  # hsx writes each sample once; a rewrite after a crash is of a sample no ref names yet
@@ -49,9 +48,10 @@ def sample_id(job_id: str, index: int) -> str:
     return f"{job_id}:{index:08d}"
 
 
-def eagle3_tensors(sample: Sample, bf16: bool) -> dict[str, torch.Tensor]:
-    """One hsx sample as SpecForge's online EAGLE-3 features, each with a leading batch dimension of 1."""
-    item = sample_item(sample, bf16)
+def eagle3_tensors(sample: Sample, dtype: str) -> dict[str, torch.Tensor]:
+    """One hsx sample (read as :func:`hsx.streams.reader.item_samples` reads it; ``dtype`` the manifest's)
+    as SpecForge's online EAGLE-3 features, each with a leading batch dimension of 1."""
+    item = sample_item(sample, dtype)
     if "hidden_state" not in item:
         raise ValueError(f"sample {sample.index} has no post-norm final state (the EAGLE-3 target)")
     input_ids = item["input_ids"].unsqueeze(0)

@@ -153,7 +153,6 @@ class SpecForgePublisher:
         return result
 
     def _loop(self, manifest: Manifest, meta: dict[str, Any], result: PublishResult) -> None:
-        bf16 = manifest.dtype == "BF16"
         leased_all = False  # the job succeeded and every shard was leased to us (and published) at least once
         while True:
             stopped = self.channel.consumer_stopped()
@@ -176,7 +175,7 @@ class SpecForgePublisher:
                     result.outcome, result.reason = "failed", reason
                     return
                 for item in answer["items"]:
-                    result.published += self._publish_item(item, manifest, bf16, meta)
+                    result.published += self._publish_item(item, manifest, meta)
                 if answer["end_of_stream"] and not answer["items"]:
                     leased_all = True
                     if not self.channel.is_closed():
@@ -203,9 +202,7 @@ class SpecForgePublisher:
             else None
         )
 
-    def _publish_item(
-        self, item: dict[str, Any], manifest: Manifest, bf16: bool, meta: dict[str, Any]
-    ) -> int:
+    def _publish_item(self, item: dict[str, Any], manifest: Manifest, meta: dict[str, Any]) -> int:
         item_id, delivery = int(item["id"]), int(item["delivery"])
         if item_id in self.held:  # our own lease ran out and came back: the samples are out already
             self.held[item_id].delivery = delivery
@@ -213,15 +210,15 @@ class SpecForgePublisher:
         refs: list[dict[str, Any]] = []
         sample_ids: list[str] = []
         consumed = self.channel.consumed()
-        for sample in item_samples(item, manifest, self.verify_checksums, raw_bf16=bf16):
+        for sample in item_samples(item, manifest, self.verify_checksums):
             sid = layout.sample_id(self.job_id, sample.index)
             sample_ids.append(sid)
             if sid in self.position:  # published before a restart
                 if self.position[sid] >= consumed and not self.features.exists(sid):
                     # Mooncake: the objects went with the old publisher's memory segment; put them again.
-                    self.features.write(sid, layout.eagle3_tensors(sample, bf16))
+                    self.features.write(sid, layout.eagle3_tensors(sample, manifest.dtype))
                 continue
-            tensors = layout.eagle3_tensors(sample, bf16)
+            tensors = layout.eagle3_tensors(sample, manifest.dtype)
             self.features.write(sid, tensors)
             sample_meta = {**meta, "hsx_sample": sample.index, "hsx_unit": int(item["unit_index"])}
             refs.append(layout.sample_ref(sid, self.features, tensors, self.job_id, sample_meta))

@@ -30,10 +30,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from hsx.job_options import JobOptions
 from hsx.manifest import Manifest
+from hsx.samples import Item, sample_item
 from hsx.streams.api_calls import call_api
 from hsx.streams.reader import ShardGone, Source, item_samples, manifest_for
 
-Item = dict[str, Any]
 # (consumer id, item id, delivery, samples in the item): what an acknowledgement needs of a sample.
 StreamRef = tuple[str, int, int, int]
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class JobStream(IterableDataset[Item]):
             for item in answer["items"]:
                 delivery = (int(item["id"]), int(item["delivery"]))
                 try:
-                    samples = item_samples(item, manifest, self.verify_checksums, True, self.source)
+                    samples = item_samples(item, manifest, self.verify_checksums, self.source)
                 except ShardGone as exc:
                     if not consume:
                         raise JobStreamError(f"job {self.job_id} keeps its shards, yet {exc}") from exc
@@ -143,7 +143,7 @@ class JobStream(IterableDataset[Item]):
                 received[delivery] = float(item["lease_expires"])
                 ref: StreamRef = (consumer, *delivery, int(item["samples"]))
                 for sample in samples:
-                    out = _sample_item(sample, manifest.dtype == "BF16")
+                    out = sample_item(sample, manifest.dtype)
                     out["stream_ref"] = ref
                     yield out
             if answer["end_of_stream"]:
@@ -182,12 +182,6 @@ def _seen(received: OrderedDict[tuple[int, int], float]) -> list[dict[str, int]]
         if expires + SEEN_CLOCK_MARGIN_SECONDS < now or len(received) > SEEN_MAX:
             del received[key]
     return [{"id": i, "delivery": d} for i, d in received]
-
-
-def _sample_item(sample: Any, bf16: bool) -> Item:
-    from hsx.torch_data import sample_item
-
-    return sample_item(sample, bf16)
 
 
 def _distributed_rank() -> int:

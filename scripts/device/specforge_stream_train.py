@@ -34,12 +34,11 @@ from hsx.streams import specforge_layout as layout
 def publish_finished(output_dir: Path, work: Path, tag: str) -> tuple[Path, Path]:
     """The job's samples as the publisher writes them, then the channel's close sentinel."""
     manifest = Manifest.load(output_dir)
-    bf16 = manifest.dtype == "BF16"
     channel = layout.RefChannel(work / tag / "refs.jsonl")
     features = layout.FeatureDir(work / "features", tag)
-    for sample in OutputReader(output_dir, verify_checksums=True, raw_bf16=bf16):
+    for sample in OutputReader(output_dir, verify_checksums=True, raw_bf16=True):
         sid = layout.sample_id(manifest.job_id, sample.index)
-        tensors = layout.eagle3_tensors(sample, bf16)
+        tensors = layout.eagle3_tensors(sample, manifest.dtype)
         features.write(sid, tensors)
         channel.publish(
             [layout.sample_ref(sid, features, tensors, manifest.job_id, {"hsx_job": manifest.job_id})]
