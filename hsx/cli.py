@@ -284,7 +284,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from hsx.streams.specforge_cli import run_publish_command
+    from hsx.streams.specforge_publisher import run_publish_command
 
     return run_publish_command(args, get_settings().token())
 

@@ -1,5 +1,6 @@
-"""``hsx publish specforge JOB``'s arguments and command; torch-free, so the ``hsx`` parser (and with it
-``hsx api``) stays torch-free: the publisher (:mod:`hsx.streams.specforge_publisher`) is imported to run."""
+"""``hsx publish specforge JOB``'s arguments and their defaults; torch-free, so the ``hsx`` parser (and with
+it ``hsx api``) stays torch-free. The command itself runs in :mod:`hsx.streams.specforge_publisher`
+(``run_publish_command``), imported only to run, and takes its defaults from here."""
 
 from __future__ import annotations
 
@@ -45,48 +46,3 @@ def add_publish_arguments(parser: argparse.ArgumentParser, api_url: str) -> None
     parser.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS)
     parser.add_argument("--api-url", default=api_url)
     parser.add_argument("--poll-seconds", type=float, default=0.5)
-
-
-def run_publish_command(args: argparse.Namespace, token: str | None) -> int:
-    from hsx.streams.specforge_publisher import PublishError, SpecForgePublisher
-
-    store_id = args.store_id or args.job_id
-    sink = None
-    if args.backend == "mooncake":
-        if not (args.mooncake_master and args.mooncake_metadata):
-            print("hsx publish: --backend mooncake needs --mooncake-master and --mooncake-metadata")
-            return 2
-        from hsx.streams.specforge_mooncake import MooncakeFeatures, MooncakeSetup
-
-        setup = MooncakeSetup(
-            master=args.mooncake_master,
-            metadata_server=args.mooncake_metadata,
-            local_hostname=args.mooncake_host,
-            segment_bytes=args.mooncake_segment_bytes,
-        )
-        sink = MooncakeFeatures(setup, store_id)
-    elif args.store_root is None:
-        print("hsx publish: --backend shared_dir needs --store-root")
-        return 2
-    publisher = SpecForgePublisher(
-        api_url=args.api_url,
-        job_id=args.job_id,
-        channel_path=args.channel,
-        store_root=args.store_root or Path("."),
-        store_id=store_id,
-        token=token,
-        window=args.window,
-        lease_seconds=args.lease_seconds,
-        poll_seconds=args.poll_seconds,
-        sink=sink,
-    )
-    try:
-        result = publisher.run()
-    except PublishError as exc:
-        print(f"hsx publish: {exc}")
-        return 2
-    print(
-        f"hsx publish specforge: {result.outcome}; {result.published} refs published, "
-        f"{result.acked_items} shards acknowledged" + (f"; {result.reason}" if result.reason else "")
-    )
-    return 0 if result.outcome in ("closed", "trainer_done") else 1

@@ -18,6 +18,7 @@ leases are handed back first so its shards come back at once.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -275,3 +276,46 @@ class SpecForgePublisher:
 def _broken(job_id: str, state: str, error: str | None) -> str:
     """The reason the trainer raises with: SpecForge puts it in its "producer failed" error."""
     return f"hsx job {job_id} {state}: {error or 'no reason given'}"
+
+
+def run_publish_command(args: argparse.Namespace, token: str | None) -> int:
+    store_id = args.store_id or args.job_id
+    sink = None
+    if args.backend == "mooncake":
+        if not (args.mooncake_master and args.mooncake_metadata):
+            print("hsx publish: --backend mooncake needs --mooncake-master and --mooncake-metadata")
+            return 2
+        from hsx.streams.specforge_mooncake import MooncakeFeatures, MooncakeSetup
+
+        setup = MooncakeSetup(
+            master=args.mooncake_master,
+            metadata_server=args.mooncake_metadata,
+            local_hostname=args.mooncake_host,
+            segment_bytes=args.mooncake_segment_bytes,
+        )
+        sink = MooncakeFeatures(setup, store_id)
+    elif args.store_root is None:
+        print("hsx publish: --backend shared_dir needs --store-root")
+        return 2
+    publisher = SpecForgePublisher(
+        api_url=args.api_url,
+        job_id=args.job_id,
+        channel_path=args.channel,
+        store_root=args.store_root or Path("."),
+        store_id=store_id,
+        token=token,
+        window=args.window,
+        lease_seconds=args.lease_seconds,
+        poll_seconds=args.poll_seconds,
+        sink=sink,
+    )
+    try:
+        result = publisher.run()
+    except PublishError as exc:
+        print(f"hsx publish: {exc}")
+        return 2
+    print(
+        f"hsx publish specforge: {result.outcome}; {result.published} refs published, "
+        f"{result.acked_items} shards acknowledged" + (f"; {result.reason}" if result.reason else "")
+    )
+    return 0 if result.outcome in ("closed", "trainer_done") else 1
