@@ -14,6 +14,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# The retention modes (docs/streaming.md): defined with the option, so the jobs and the stream code both
+# read them from here.
+Retention = Literal["keep", "consume"]
+KEEP: Retention = "keep"
+CONSUME: Retention = "consume"
+
 RecordFormat = Literal["auto", "messages", "sharegpt"]
 Truncation = Literal["truncate", "reject"]
 
@@ -56,7 +62,7 @@ class JobOptions(BaseModel):
         description="How the shards store the states: the engine's dtype, or fp8 e4m3 with one float32 "
         "scale per token per tensor (half the bytes of bf16; schema 3, error bound in docs/format.md).",
     )
-    retention: Literal["keep", "consume"] = Field(
+    retention: Retention = Field(
         "keep",
         description="keep: the output stays whole; consume: shards are deleted once a consumer acknowledges "
         "them, and workers wait while buffer_cap_bytes are held (docs/streaming.md).",

@@ -195,7 +195,7 @@ def test_a_consumer_killed_holding_a_lease_loses_nothing_and_repeats_nothing(
 ) -> None:
     from app.main import create_app
     from hsx.db.session import session_scope
-    from hsx.streams.models import StreamItem
+    from hsx.db.stream_models import StreamItem
 
     stack, _engine = synth
     db_url = stack.env["HSX_DATABASE_URL"]

@@ -47,7 +47,7 @@ def items_of(db_url: str, job_id: str) -> list[tuple[int, int, int]]:
 
     from hsx.db.models import Shard
     from hsx.db.session import session_scope
-    from hsx.streams.models import StreamItem
+    from hsx.db.stream_models import StreamItem
 
     with session_scope(db_url) as session:
         rows = session.execute(

@@ -163,7 +163,7 @@ def test_stream_clients_retry_an_unreachable_api_for_their_outage_window_and_a_4
 
 def acked(stack: Stack, item_id: int) -> bool:
     from hsx.db.session import session_scope
-    from hsx.streams.models import StreamItem
+    from hsx.db.stream_models import StreamItem
 
     with session_scope(stack.env["HSX_DATABASE_URL"]) as session:
         item = session.get(StreamItem, item_id)

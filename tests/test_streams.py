@@ -157,7 +157,7 @@ def test_a_lease_that_runs_out_goes_to_another_consumer_and_the_old_ack_is_refus
     from sqlalchemy.exc import IntegrityError
 
     from hsx.db.session import session_scope
-    from hsx.streams.models import StreamItem
+    from hsx.db.stream_models import StreamItem
 
     stack, engine = synth
     data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 4)

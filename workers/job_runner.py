@@ -34,7 +34,7 @@ from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
 from hsx.faults import crash_point
 from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.ingest import DatasetError, UnitRange, read_unit_records
-from hsx.job_options import JobOptions
+from hsx.job_options import CONSUME, JobOptions
 from hsx.jobs import engines_met, queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
@@ -44,7 +44,7 @@ from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
-from hsx.streams.contract import CONSUME, ClaimWait
+from hsx.streams.contract import ClaimWait
 from hsx.streams.deletion import delete_acknowledged_or_log
 from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Depends, Response, status
 from app.deps import SessionDep, SettingsDep
 from app.jobs.endpoints import ERRORS, document_cache, json_body
 from app.streams import schemas
+from hsx.db.stream_models import StreamConsumer
 from hsx.streams import repository as repo
-from hsx.streams.models import StreamConsumer
 from hsx.streams.service import StreamService
 
 router = APIRouter(prefix="/jobs/{job_id}/consumers", tags=["streams"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -18,15 +18,15 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import Mapped, mapped_column
 
+from hsx.db.base import Base as Base
+from hsx.db.base import utcnow as utcnow
 
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-class Base(DeclarativeBase):
-    pass
+# The stream tables: imported here so that Base.metadata holds the whole schema wherever the models are
+# imported (migrations, the schema comparison).
+from hsx.db.stream_models import StreamConsumer as StreamConsumer
+from hsx.db.stream_models import StreamItem as StreamItem
 
 
 class JobState(str, enum.Enum):
@@ -187,9 +187,3 @@ class Truncation(Base):
     record_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
     tokens: Mapped[int] = mapped_column(Integer)  # before the cut
     kept: Mapped[int] = mapped_column(Integer)
-
-
-# The stream tables live with the stream code but belong to the same schema: importing them here puts them
-# in Base.metadata wherever the models are imported (migrations, the schema comparison), not only where the
-# stream code happens to have been imported first.
-import hsx.streams.models  # noqa: E402, F401

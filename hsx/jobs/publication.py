@@ -25,12 +25,11 @@ from typing import TYPE_CHECKING
 
 from hsx.db.models import Job, JobState, Shard
 from hsx.db.session import retry_db, session_scope
-from hsx.job_options import JobOptions
+from hsx.job_options import KEEP, JobOptions
 from hsx.jobs import queries
 from hsx.jobs import repository as repo
 from hsx.manifest import relative_shard_path
 from hsx.settings import Settings
-from hsx.streams.contract import KEEP
 
 if TYPE_CHECKING:
     from hsx.storage.upload import ObjectReport, UploadEvent
@@ -174,13 +173,12 @@ def publish_stragglers(settings: Settings, job_id: str, now: float) -> int:
 def _record(db_url: str, shard_id: int, destination: str, relative: str, settings: Settings) -> None:
     from hsx.storage import StorageError
     from hsx.storage.publish import delete_objects
-    from hsx.streams import repository as stream_repo
 
     def mark() -> bool:
         with session_scope(db_url) as session:
             if repo.mark_published(session, shard_id, time.time()):
                 return False
-            return stream_repo.shard_deleted(session, shard_id)
+            return queries.shard_deleted(session, shard_id)
 
     if retry_db(mark):
         # Recorded by another publisher, acknowledged and deleted before this upload finished: this

@@ -13,6 +13,7 @@ from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from hsx.db.models import Job, JobState, Rejection, Shard, Truncation, UnitState, WorkUnit
+from hsx.db.stream_models import StreamItem
 from hsx.jobs.repository import ACTIVE_STATES, LiveCounts, claimable
 from hsx.layout import split_lease_owner
 
@@ -132,6 +133,17 @@ def unpublished_shards(session: Session, job_id: str, unit_id: int | None = None
 
 def shard_published(session: Session, shard_id: int) -> bool:
     return session.scalar(select(Shard.published_at).where(Shard.id == shard_id)) is not None
+
+
+def shard_deleted(session: Session, shard_id: int) -> bool:
+    """Whether the shard's item was acknowledged and its copies deleted (consume retention)."""
+    return bool(
+        session.scalar(
+            select(func.count())
+            .select_from(StreamItem)
+            .where(StreamItem.shard_id == shard_id, StreamItem.deleted_at.is_not(None))
+        )
+    )
 
 
 def shard_page(session: Session, job_id: str, limit: int, offset: int) -> Page[Shard]:

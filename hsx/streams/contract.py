@@ -1,15 +1,11 @@
 """What the stream promises, in one small module the API, the workers and trainers all import (standard
-library only): the retention modes, and the rule that decides whether a worker may claim another unit."""
+library only): the rule that decides whether a worker may claim another unit. (The retention modes are the
+job option's: :mod:`hsx.job_options`.)"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Literal
-
-Retention = Literal["keep", "consume"]
-KEEP: Retention = "keep"
-CONSUME: Retention = "consume"
 
 
 class ClaimWait(enum.Enum):

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 from hsx.db.session import retry_db, session_scope
+from hsx.job_options import CONSUME
 from hsx.jobs import repository as jobs_repo
 from hsx.jobs.publication import destination_of, shard_key
 from hsx.settings import Settings
 from hsx.streams import repository as repo
-from hsx.streams.contract import CONSUME
 from hsx.streams.service import retention_of
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
 from hsx.db.models import Job, Shard, UnitState, WorkUnit
-from hsx.streams.contract import CONSUME
-from hsx.streams.models import StreamConsumer, StreamItem
+from hsx.db.stream_models import StreamConsumer, StreamItem
+from hsx.job_options import CONSUME
 
 
 @dataclass(frozen=True)
@@ -273,17 +273,6 @@ def consume_jobs_with_acked_undeleted(session: Session) -> list[str]:
         .distinct()
     ).all()
     return [str(job_id) for job_id in rows]
-
-
-def shard_deleted(session: Session, shard_id: int) -> bool:
-    """Whether the shard's item was acknowledged and its copies deleted (consume retention)."""
-    return bool(
-        session.scalar(
-            select(func.count())
-            .select_from(StreamItem)
-            .where(StreamItem.shard_id == shard_id, StreamItem.deleted_at.is_not(None))
-        )
-    )
 
 
 def mark_deleted(session: Session, item_ids: Sequence[int], now: float) -> None:

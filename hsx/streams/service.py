@@ -15,16 +15,16 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from hsx.db.models import Job, JobState
+from hsx.db.stream_models import StreamConsumer
 from hsx.errors import Conflict, NotFound
-from hsx.job_options import JobOptions
+from hsx.job_options import CONSUME, JobOptions
 from hsx.jobs import queries as job_queries
 from hsx.jobs import repository as jobs_repo
 from hsx.jobs.publication import destination_of, shard_uri
 from hsx.jobs.repository import CommittedUnit
 from hsx.settings import Settings
 from hsx.streams import repository as repo
-from hsx.streams.contract import CONSUME, Budget
-from hsx.streams.models import StreamConsumer
+from hsx.streams.contract import Budget
 from hsx.streams.repository import ItemCounts, LeasedItem
 from hsx.streams.room import signal_room
 

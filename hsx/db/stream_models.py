@@ -8,7 +8,7 @@ from datetime import datetime
 from sqlalchemy import BigInteger, CheckConstraint, DateTime, Float, ForeignKey, Index, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from hsx.db.models import Base, utcnow
+from hsx.db.base import Base, utcnow
 
 
 class StreamConsumer(Base):

@@ -1,0 +1,17 @@
+"""The declarative base every table of the schema derives from, apart from the tables themselves so that
+the job tables (:mod:`hsx.db.models`) and the stream tables (:mod:`hsx.db.stream_models`) both build on it
+without importing each other."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy.orm import DeclarativeBase
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
