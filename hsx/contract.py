@@ -219,6 +219,6 @@ def read_safetensors(path: str) -> dict[str, RawTensor]:
 
 
 def write_meta_atomically(directory: str, meta: DumpMeta) -> None:
-    """Publish a dump's meta.json last: its presence means the dump is complete. The directory is not
+    """Place a dump's meta.json last: its presence means the dump is complete. The directory is not
     fsynced: a dump lost to a power cut is asked for again, and the fsync would cost every sample."""
     write_atomically(os.path.join(directory, META_FILE), meta.to_json(), sync_dir=False)

