@@ -283,10 +283,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     return run_export_command(args)
 
 
-def cmd_publish(args: argparse.Namespace) -> int:
-    from hsx.streams.specforge_publisher import run_publish_command
+def cmd_feed(args: argparse.Namespace) -> int:
+    from hsx.streams.specforge_feeder import run_feed_command
 
-    return run_publish_command(args, get_settings().token())
+    return run_feed_command(args, get_settings().token())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -396,11 +396,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_arguments(p)
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("publish", help="feed a running job into a trainer's own stream (SpecForge)")
-    from hsx.streams.specforge_cli import add_publish_arguments
+    # "publish": the command's first name, still accepted.
+    p = sub.add_parser(
+        "feed", aliases=["publish"], help="feed a running job into a trainer's own stream (SpecForge)"
+    )
+    from hsx.streams.specforge_cli import add_feed_arguments
 
-    add_publish_arguments(p, settings.api_url)
-    p.set_defaults(func=cmd_publish)
+    add_feed_arguments(p, settings.api_url)
+    p.set_defaults(func=cmd_feed)
     return parser
 
 

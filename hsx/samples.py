@@ -1,7 +1,7 @@
 """A stored sample as the loader reads it (numpy), and the one conversion of it to torch tensors.
 
 Every torch reader of hsx output goes through :func:`to_torch` (``iter_samples(as_torch=True)``, the
-exports, the datasets of :mod:`hsx.torch_data`, ``JobStream`` and the SpecForge publisher), so a job's
+exports, the datasets of :mod:`hsx.torch_data`, ``JobStream`` and the SpecForge feeder), so a job's
 states come out in one dtype whichever way it is read, chosen by the manifest's dtype alone:
 
 ==========  ==========================================  ===========================

@@ -139,8 +139,8 @@ def test_the_graph_sees_function_level_and_relative_imports() -> None:
     graph = import_graph()
     assert len(graph) > 120  # every module of the three roots
     # Imported only inside the function that runs the command, and as ``from package import module``.
-    assert "hsx.streams.specforge_publisher" in graph["hsx.cli"]
-    assert "hsx.streams.specforge_layout" in graph["hsx.streams.specforge_publisher"]
+    assert "hsx.streams.specforge_feeder" in graph["hsx.cli"]
+    assert "hsx.streams.specforge_layout" in graph["hsx.streams.specforge_feeder"]
     assert "hsx.db.stream_models" in graph["hsx.streams.repository"]
 
 

@@ -1,9 +1,9 @@
-"""What SpecForge's trainer writes beside the ref channel steers ``hsx publish specforge``
+"""What SpecForge's trainer writes beside the ref channel steers ``hsx feed specforge``
 (docs/streaming.md), each written here by SpecForge's own ``StreamingRefChannel``: ``.consumer_quantum``
-(refs per optimizer step) raises the publisher's window to it, so a trainer that needs more refs for a
-step than the window allows is not left waiting; ``.consumer_done`` makes the publisher hand its leases
+(refs per optimizer step) raises the feeder's window to it, so a trainer that needs more refs for a
+step than the window allows is not left waiting; ``.consumer_done`` makes the feeder hand its leases
 back at once (a new consumer leases them with no lease running out) and exit, deleting nothing that was
-not acknowledged. The publisher runs in a thread against a real API, worker and synthetic engine."""
+not acknowledged. The feeder runs in a thread against a real API, worker and synthetic engine."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.fixtures.live_server import serve_in_thread
 from tests.fixtures.stack import Stack
 from tests.fixtures.synthetic import write_pretokenized
 from tests.test_faults import wait_until
-from tests.test_specforge_stream import PublisherThread
+from tests.test_specforge_stream import FeederThread
 
 pytestmark = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 
@@ -30,7 +30,7 @@ def api(synthetic_stack: Stack) -> Iterator[str]:
         yield url
 
 
-def refs_published(tmp: Path) -> int:
+def refs_appended(tmp: Path) -> int:
     refs = tmp / "control" / "refs.jsonl"
     return sum(1 for line in refs.read_text().splitlines() if line.strip()) if refs.exists() else 0
 
@@ -56,18 +56,18 @@ def test_the_window_is_raised_to_the_trainers_quantum(
     wait_until(lambda: stack.job(job_id)["state"] == "succeeded", 120, "the job", stack)
     trainer = channel(tmp_path)
     trainer.publish_consumer_quantum(4)  # type: ignore[attr-defined]  # four refs per optimizer step
-    publisher = PublisherThread(api, job_id, tmp_path, window=1)
-    # Nothing is consumed: the publisher goes up to the quantum (two shards of two refs) and no further,
+    feeder = FeederThread(api, job_id, tmp_path, window=1)
+    # Nothing is consumed: the feeder goes up to the quantum (two shards of two refs) and no further,
     # whatever the window of one says; with the window alone it would stop at one shard.
-    wait_until(lambda: refs_published(tmp_path) >= 4, 60, "four refs published", stack)
+    wait_until(lambda: refs_appended(tmp_path) >= 4, 60, "four refs appended", stack)
     trainer.mark_consumer_done()  # type: ignore[attr-defined]
-    result = publisher.join()
+    result = feeder.join()
     assert result.outcome == "trainer_done", result
-    assert result.published == refs_published(tmp_path) == 4 and result.peak_in_flight == 4, result
-    assert committed_shards(stack, job_id) == 6  # there was more to publish: the quantum held it back
+    assert result.appended == refs_appended(tmp_path) == 4 and result.peak_in_flight == 4, result
+    assert committed_shards(stack, job_id) == 6  # there was more to feed: the quantum held it back
 
 
-def test_a_trainer_done_makes_the_publisher_hand_its_shards_back_and_exit(
+def test_a_trainer_done_makes_the_feeder_hand_its_shards_back_and_exit(
     synthetic_stack: Stack, api: str, tmp_path: Path
 ) -> None:
     stack = synthetic_stack
@@ -75,10 +75,10 @@ def test_a_trainer_done_makes_the_publisher_hand_its_shards_back_and_exit(
     job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=1)["id"]
     stack.start_worker()
     trainer = channel(tmp_path)
-    publisher = PublisherThread(api, job_id, tmp_path, window=2)
-    wait_until(lambda: refs_published(tmp_path) >= 2, 120, "a shard published", stack)
+    feeder = FeederThread(api, job_id, tmp_path, window=2)
+    wait_until(lambda: refs_appended(tmp_path) >= 2, 120, "a shard fed", stack)
     trainer.mark_consumer_done()  # type: ignore[attr-defined]  # before consuming anything
-    result = publisher.join()
+    result = feeder.join()
     assert result.outcome == "trainer_done" and result.acked_items == 0, result
     doc = stack.job(job_id)
     assert doc["stream"]["consumers"] == [] and doc["stream"]["items_acked"] == 0, doc["stream"]

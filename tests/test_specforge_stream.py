@@ -1,4 +1,4 @@
-"""``hsx publish specforge`` feeds a running job into SpecForge 0.2.0's own disaggregated stream, and
+"""``hsx feed specforge`` feeds a running job into SpecForge 0.2.0's own disaggregated stream, and
 SpecForge's own consumer classes read it with no hsx code on their side: ``StreamingRefChannel`` /
 ``StreamingRefQueue`` (poll, get, ack), ``SharedDirFeatureStore`` (get, release) and ``FeatureDataLoader``
 with the EAGLE-3 streaming provider's collator.
@@ -8,7 +8,7 @@ trainer gets is compared with the hsx shard it came from (read with hsx's own nu
 is still there) and with the dataset's tokens, for a job in the engine's dtype and for an fp8 one (whose
 states the trainer gets as bfloat16, as from every other reader). The consume job runs with a cap of one
 byte, so hsx works one unit at a time: the job only finishes because SpecForge's consumed counter lets the
-publisher acknowledge.
+feeder acknowledge.
 """
 
 from __future__ import annotations
@@ -51,15 +51,15 @@ MOONCAKE_MISSING = _mooncake_missing()
 STORE_ID = "hsx-stream"
 
 
-class PublisherThread:
-    """The publisher as ``hsx publish specforge`` runs it, in a thread of the test."""
+class FeederThread:
+    """The feeder as ``hsx feed specforge`` runs it, in a thread of the test."""
 
     def __init__(
         self, api: str, job_id: str, tmp: Path, window: int, stop_after: int | None = None, sink: Any = None
     ) -> None:
-        from hsx.streams.specforge_publisher import SpecForgePublisher
+        from hsx.streams.specforge_feeder import SpecForgeFeeder
 
-        self.publisher = SpecForgePublisher(
+        self.feeder = SpecForgeFeeder(
             api_url=api,
             job_id=job_id,
             channel_path=tmp / "control" / "refs.jsonl",
@@ -70,7 +70,7 @@ class PublisherThread:
             poll_seconds=0.1,
             should_stop=(lambda: False)
             if stop_after is None
-            else (lambda: self.publisher.channel.published >= stop_after),
+            else (lambda: self.feeder.channel.appended >= stop_after),
             sink=sink,
         )
         self.result: Any = None
@@ -80,13 +80,13 @@ class PublisherThread:
 
     def _run(self) -> None:
         try:
-            self.result = self.publisher.run()
+            self.result = self.feeder.run()
         except BaseException as exc:  # noqa: BLE001 - reported by join()
             self.error = exc
 
     def join(self, timeout: float = 120) -> Any:
         self.thread.join(timeout)
-        assert not self.thread.is_alive(), "publisher did not finish"
+        assert not self.thread.is_alive(), "feeder did not finish"
         if self.error is not None:
             raise self.error
         return self.result
@@ -122,7 +122,7 @@ class HsxShards:
             path = Path(doc["output_dir"]) / entry["path"]
             if entry["path"] in self.read or not path.exists():
                 continue
-            # The shard listing carries no header checksum; the publisher checked both when it leased it.
+            # The shard listing carries no header checksum; the feeder checked both when it leased it.
             view = open_item({**entry, "path": str(path)}, manifest, verify=False)
             for sample in (view.sample(k) for k in range(len(view))):
                 self.samples[sample.index] = {
@@ -237,22 +237,22 @@ def test_specforge_reads_a_running_job_with_every_tensor_as_hsx_wrote_it(
     options: dict[str, Any] = {"retention": "consume", "buffer_cap_bytes": 1, "state_dtype": state_dtype}
     job_id = stack.submit(data, samples_per_shard=2, **options)["id"]
     stack.start_worker()
-    publisher = PublisherThread(api, job_id, tmp_path, window=2, sink=sink)
+    feeder = FeederThread(api, job_id, tmp_path, window=2, sink=sink)
     loader, _ = specforge_loader(tmp_path, store=store)
     required = next(
         c.required_tensors for c in algorithm_spec().feature_contracts if c.mode.value == "streaming"
     )
 
-    # The trainer has not read anything: the publisher holds one shard (its window, two refs) and hsx holds
+    # The trainer has not read anything: the feeder holds one shard (its window, two refs) and hsx holds
     # its workers back, since that unacknowledged shard fills the cap.
     refs_file = tmp_path / "control" / "refs.jsonl"
     deadline = time.monotonic() + 240
     while not refs_file.exists() or len(records(refs_file)) < 2:
-        assert publisher.thread.is_alive(), publisher.error
+        assert feeder.thread.is_alive(), feeder.error
         assert time.monotonic() < deadline, (stack.job(job_id), stack.logs())
         time.sleep(0.2)
     time.sleep(1.5)
-    assert len(records(refs_file)) == 2, "the publisher went past its window"
+    assert len(records(refs_file)) == 2, "the feeder went past its window"
     assert stack.job(job_id)["stream"]["waiting_on_consumers"], stack.job(job_id)["stream"]
 
     hsx = HsxShards(stack, job_id)
@@ -262,7 +262,7 @@ def test_specforge_reads_a_running_job_with_every_tensor_as_hsx_wrote_it(
         assert batch.metadata["target_repr"] == "hidden_state"
         (sid,) = batch.sample_ids
         index = int(sid.rsplit(":", 1)[1])
-        want = hsx.get(index)  # the shard is there: the publisher has not acknowledged it yet
+        want = hsx.get(index)  # the shard is there: the feeder has not acknowledged it yet
         got = batch.tensors
         assert torch.equal(got["input_ids"], want["input_ids"].unsqueeze(0))
         assert torch.equal(got["loss_mask"], want["loss_mask"].unsqueeze(0))
@@ -277,9 +277,9 @@ def test_specforge_reads_a_running_job_with_every_tensor_as_hsx_wrote_it(
         assert buffered["buffered_bytes"] <= buffered["unit_bytes"], buffered
         seen.append(index)
 
-    result = publisher.join()
+    result = feeder.join()
     assert sorted(seen) == list(range(6)), seen  # every sample once, none lost
-    assert result.outcome == "closed" and result.published == 6 and result.acked_items == 3, result
+    assert result.outcome == "closed" and result.appended == 6 and result.acked_items == 3, result
     assert result.peak_in_flight <= 2
     doc = stack.wait(job_id)
     assert doc["state"] == "succeeded", (doc, stack.logs())
@@ -298,7 +298,7 @@ def test_a_cancelled_job_reaches_the_trainer_as_a_producer_failure(
     data = write_pretokenized(tmp_path / "d.jsonl", [24] * 6)
     job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=1)["id"]
     stack.start_worker()
-    publisher = PublisherThread(api, job_id, tmp_path, window=2)
+    feeder = FeederThread(api, job_id, tmp_path, window=2)
     loader, _ = specforge_loader(tmp_path)
     batches = iter(loader)
     first = next(batches)
@@ -307,12 +307,12 @@ def test_a_cancelled_job_reaches_the_trainer_as_a_producer_failure(
     with pytest.raises(RuntimeError, match=f"producer failed: hsx job {job_id} cancelled"):
         for _ in batches:
             pass
-    result = publisher.join()
+    result = feeder.join()
     assert result.outcome == "failed" and "cancelled" in result.reason
 
 
 @postgres_only
-def test_a_failed_trainer_stops_the_publisher_and_its_shards_go_back(
+def test_a_failed_trainer_stops_the_feeder_and_its_shards_go_back(
     stack: Stack, api: str, tmp_path: Path
 ) -> None:
     from specforge.runtime.data_plane.streaming_ref_channel import StreamingRefChannel
@@ -320,12 +320,12 @@ def test_a_failed_trainer_stops_the_publisher_and_its_shards_go_back(
     data = write_pretokenized(tmp_path / "d.jsonl", [20] * 4)
     job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=1)["id"]
     stack.start_worker()
-    publisher = PublisherThread(api, job_id, tmp_path, window=2)
+    feeder = FeederThread(api, job_id, tmp_path, window=2)
     loader, channel = specforge_loader(tmp_path)
     first = next(iter(loader))  # read, never acknowledged: the trainer dies before its optimizer step
     assert first.sample_ids == [f"{job_id}:00000000"]
     StreamingRefChannel(channel.path).mark_consumer_failed("RuntimeError: CUDA out of memory")
-    result = publisher.join()
+    result = feeder.join()
     assert result.outcome == "trainer_failed" and "CUDA out of memory" in result.reason, result
     doc = stack.job(job_id)
     assert doc["stream"]["consumers"] == [] and doc["stream"]["items_acked"] == 0, doc["stream"]
@@ -333,23 +333,23 @@ def test_a_failed_trainer_stops_the_publisher_and_its_shards_go_back(
     assert (Path(doc["output_dir"]) / "shard-00000.safetensors").exists()
 
 
-def publish_command(api: str, job_id: str, tmp: Path) -> list[str]:
+def feed_command(api: str, job_id: str, tmp: Path, verb: str = "feed") -> list[str]:
     return [
-        *[sys.executable, "-m", "hsx.cli", "publish", "specforge", job_id],
+        *[sys.executable, "-m", "hsx.cli", verb, "specforge", job_id],
         *["--channel", str(tmp / "control" / "refs.jsonl"), "--store-root", str(tmp / "features")],
         *["--store-id", STORE_ID, "--window", "2", "--api-url", api, "--poll-seconds", "0.1"],
     ]
 
 
 @postgres_only
-def test_a_publisher_killed_mid_append_is_restarted_with_nothing_lost_or_twice(
+def test_a_feeder_killed_mid_append_is_restarted_with_nothing_lost_or_twice(
     stack: Stack, api: str, tmp_path: Path
 ) -> None:
     data = write_pretokenized(tmp_path / "d.jsonl", [20] * 6)
     job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=1)["id"]
     stack.start_worker()
     refs_file = tmp_path / "control" / "refs.jsonl"
-    first = subprocess.Popen(publish_command(api, job_id, tmp_path), cwd=REPO)
+    first = subprocess.Popen(feed_command(api, job_id, tmp_path), cwd=REPO)
     deadline = time.monotonic() + 240
     while not refs_file.exists() or len(records(refs_file)) < 2:
         assert first.poll() is None and time.monotonic() < deadline, stack.logs()
@@ -358,14 +358,14 @@ def test_a_publisher_killed_mid_append_is_restarted_with_nothing_lost_or_twice(
     first.wait()
     with refs_file.open("a") as fh:  # and as if it died halfway through appending the next ref
         fh.write('{"sample_id":"' + job_id + ":000000")
-    second = subprocess.Popen(
-        publish_command(api, job_id, tmp_path), cwd=REPO, stdout=subprocess.PIPE, text=True
+    second = subprocess.Popen(  # under the command's first name, which still works
+        feed_command(api, job_id, tmp_path, verb="publish"), cwd=REPO, stdout=subprocess.PIPE, text=True
     )
     loader, _ = specforge_loader(tmp_path)
     seen = [int(batch.sample_ids[0].rsplit(":", 1)[1]) for batch in loader]
     out, _ = second.communicate(timeout=120)
-    assert seen == list(range(6)), seen  # the first shard's refs are not published again, none lost
-    assert second.returncode == 0 and "closed; 4 refs published, 3 shards acknowledged" in out, out
+    assert seen == list(range(6)), seen  # the first shard's refs are not appended again, none lost
+    assert second.returncode == 0 and "closed; 4 refs appended, 3 shards acknowledged" in out, out
     refs = records(refs_file)
     assert [r["sample_id"] for r in refs] == [f"{job_id}:{i:08d}" for i in range(6)]
     doc = stack.wait(job_id)
@@ -390,7 +390,7 @@ def test_our_channel_and_files_are_what_specforge_reads_and_we_read_its_sidecars
         "target": torch.randn(1, 5, 4).to(torch.bfloat16),
     }
     features.write("job:00000000", tensors)
-    ours.publish([layout.sample_ref("job:00000000", features, tensors, "job", {"hsx_job": "job"})])
+    ours.append([layout.sample_ref("job:00000000", features, tensors, "job", {"hsx_job": "job"})])
 
     theirs = StreamingRefChannel(str(tmp_path / "refs.jsonl"))
     (ref,) = theirs.poll()
@@ -417,5 +417,5 @@ def test_our_channel_and_files_are_what_specforge_reads_and_we_read_its_sidecars
     # A torn last line (a crash mid-append) is cut when the channel is opened again, and only then.
     with (tmp_path / "refs.jsonl").open("a") as fh:
         fh.write('{"sample_id": "job:0000')
-    assert layout.RefChannel(tmp_path / "refs.jsonl").published == 1
+    assert layout.RefChannel(tmp_path / "refs.jsonl").appended == 1
     assert (tmp_path / "refs.jsonl").read_text().endswith("}\n")

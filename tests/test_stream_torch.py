@@ -108,20 +108,20 @@ def test_a_cancelled_job_raises_rather_than_ending_the_stream(synth: tuple[Stack
 
 
 def _stream_client(kind: str, api: str, outage_seconds: float, tmp: Path) -> tuple[Any, type[Exception]]:
-    """The trainer's JobStream or the SpecForge publisher: both call the API through one retry rule."""
+    """The trainer's JobStream or the SpecForge feeder: both call the API through one retry rule."""
     if kind == "trainer":
         from hsx.torch_data import JobStream, JobStreamError
 
         return JobStream(api, "j", token="t", outage_seconds=outage_seconds), JobStreamError
-    from hsx.streams.specforge_publisher import PublishError, SpecForgePublisher
+    from hsx.streams.specforge_feeder import FeedError, SpecForgeFeeder
 
-    publisher = SpecForgePublisher(
+    feeder = SpecForgeFeeder(
         api, "j", tmp / "refs.jsonl", tmp / "store", "s", token="t", outage_seconds=outage_seconds
     )
-    return publisher, PublishError
+    return feeder, FeedError
 
 
-@pytest.mark.parametrize("kind", ["trainer", "specforge_publisher"])
+@pytest.mark.parametrize("kind", ["trainer", "specforge_feeder"])
 def test_stream_clients_retry_an_unreachable_api_for_their_outage_window_and_a_4xx_not_at_all(
     kind: str, tmp_path: Path
 ) -> None:

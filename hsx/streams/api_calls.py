@@ -1,4 +1,4 @@
-"""One API call as every stream client makes it (the trainer's JobStream, the SpecForge publisher): an
+"""One API call as every stream client makes it (the trainer's JobStream, the SpecForge feeder): an
 unreachable API or a 5xx is retried with backoff for a bounded outage window, a 4xx raises at once.
 Retrying is safe on every stream route: a repeated acknowledgement is accepted once, and a lease whose
 answer was lost is handed back through ``seen`` (docs/streaming.md)."""

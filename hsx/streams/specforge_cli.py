@@ -1,18 +1,18 @@
-"""``hsx publish specforge JOB``'s arguments and their defaults; torch-free, so the ``hsx`` parser (and with
-it ``hsx api``) stays torch-free. The command itself runs in :mod:`hsx.streams.specforge_publisher`
-(``run_publish_command``), imported only to run, and takes its defaults from here."""
+"""``hsx feed specforge JOB``'s arguments and their defaults; torch-free, so the ``hsx`` parser (and with
+it ``hsx api``) stays torch-free. The command itself runs in :mod:`hsx.streams.specforge_feeder`
+(``run_feed_command``), imported only to run, and takes its defaults from here."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-DEFAULT_WINDOW = 64  # refs published but not consumed
-DEFAULT_LEASE_SECONDS = 3600.0  # the publisher holds a shard until the trainer is done with all of it
+DEFAULT_WINDOW = 64  # refs appended but not consumed
+DEFAULT_LEASE_SECONDS = 3600.0  # the feeder holds a shard until the trainer is done with all of it
 
 
-def add_publish_arguments(parser: argparse.ArgumentParser, api_url: str) -> None:
-    parser.add_argument("target", choices=["specforge"], help="whose stream to publish into")
+def add_feed_arguments(parser: argparse.ArgumentParser, api_url: str) -> None:
+    parser.add_argument("target", choices=["specforge"], help="whose stream to feed")
     parser.add_argument("job_id")
     parser.add_argument("--channel", required=True, type=Path, help="the StreamingRefChannel file (shared)")
     parser.add_argument(
@@ -34,13 +34,13 @@ def add_publish_arguments(parser: argparse.ArgumentParser, api_url: str) -> None
         "--mooncake-segment-bytes",
         type=int,
         default=1 << 30,
-        help="mooncake: memory this publisher lends the store (holds what is published but not consumed)",
+        help="mooncake: memory this feeder lends the store (holds what is appended but not consumed)",
     )
     parser.add_argument(
         "--window",
         type=int,
         default=DEFAULT_WINDOW,
-        help="refs published but not consumed before the publisher stops leasing (at least the trainer's "
+        help="refs appended but not consumed before the feeder stops leasing (at least the trainer's "
         "refs per optimizer step, which it reads from the channel)",
     )
     parser.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS)

@@ -3,7 +3,7 @@ is not imported). Two parts on a mount the trainer shares:
 
 - features, as ``specforge.runtime.data_plane.disaggregated.SharedDirFeatureStore`` reads them:
   ``<store_root>/<store_id>/<sample_id>.g<generation>.ckpt``, one ``torch.save`` dict per sample and
-  generation, published by one rename so a reader sees a whole file or none;
+  generation, placed by one rename so a reader sees a whole file or none;
 - refs, as ``specforge.runtime.data_plane.streaming_ref_channel.StreamingRefChannel`` reads them: an
   append-only JSONL file of ``SampleRef`` records (fsynced), and sidecar files beside it: ``.consumed_count``
   (the trainer's count of refs it is done with: the producer's backpressure), ``.closed`` (the producer
@@ -40,7 +40,7 @@ FAILED = ".failed"
 CONSUMER_DONE = ".consumer_done"
 CONSUMER_FAILED = ".consumer_failed"
 CONSUMER_QUANTUM = ".consumer_quantum"
-# Ours: the hsx consumer the publisher leases through, so a restarted publisher can hand its leases back.
+# Ours: the hsx consumer the feeder leases through, so a restarted feeder can hand its leases back.
 HSX_CONSUMER = ".hsx_consumer"
 
 
@@ -114,7 +114,7 @@ class FeatureDir:
 
 
 class FeatureSink(Protocol):
-    """Where the publisher puts a sample's features: a shared directory, or Mooncake
+    """Where the feeder puts a sample's features: a shared directory, or Mooncake
     (:mod:`hsx.streams.specforge_mooncake`)."""
 
     def write(self, sid: str, tensors: dict[str, torch.Tensor]) -> Any: ...
@@ -180,7 +180,7 @@ class RefChannel:
         self.refs: list[dict[str, Any]] = self._recover()
 
     def _recover(self) -> list[dict[str, Any]]:
-        """The refs already published (a restarted publisher continues after them). A torn last line, from
+        """The refs already appended (a restarted feeder continues after them). A torn last line, from
         a crash mid-append, is cut off: the trainer parses complete lines only, so it never read it."""
         try:
             data = self.path.read_bytes()
@@ -194,10 +194,10 @@ class RefChannel:
         return [json.loads(line) for line in complete.decode("utf-8").splitlines() if line.strip()]
 
     @property
-    def published(self) -> int:
+    def appended(self) -> int:
         return len(self.refs)
 
-    def publish(self, refs: list[dict[str, Any]]) -> None:
+    def append(self, refs: list[dict[str, Any]]) -> None:
         """Append refs in one write and fsync: the trainer sees them once their line is whole."""
         if not refs:
             return

@@ -1,4 +1,4 @@
-"""Mooncake as the publisher's feature sink: SpecForge's cross-node backend, read by its
+"""Mooncake as the feeder's feature sink: SpecForge's cross-node backend, read by its
 ``specforge.runtime.data_plane.mooncake_store.MooncakeFeatureStore`` (SpecForge 0.2.0).
 
 Its layout, which we write with Mooncake's own client (``mooncake.store``; on this host the
@@ -7,8 +7,8 @@ Its layout, which we write with Mooncake's own client (``mooncake.store``; on th
 dtype travel on the ref), hard-pinned so the store does not evict it before the trainer reads it. The ref's
 ``feature_store_uri`` is ``mooncake://<store_id>/<sample_id>``.
 
-An object lives in the memory segment of a Mooncake client: this publisher's, so the publisher must stay
-up while the trainer reads (a restarted publisher puts again the objects of refs not consumed yet).
+An object lives in the memory segment of a Mooncake client: this feeder's, so the feeder must stay
+up while the trainer reads (a restarted feeder puts again the objects of refs not consumed yet).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """A few EAGLE-3 optimizer steps of SpecForge 0.2.0's own draft model, fed through SpecForge's own stream
-classes from what hsx's publisher writes: the part of docs/streaming.md's SpecForge section that cannot
+classes from what hsx's feeder writes: the part of docs/streaming.md's SpecForge section that cannot
 run on CPU (SpecForge's EAGLE-3 loss is a Triton kernel).
 
     python3 scripts/device/specforge_stream_train.py OUTPUT_DIR MODEL_DIR [STEPS] [WORK_DIR]
 
 OUTPUT_DIR is a finished hsx job's output (e.g. from scripts/device/run_job_e2e.sh), MODEL_DIR its target
 model. The job's samples are written into a StreamingRefChannel and a SharedDirFeatureStore with the
-publisher's own writer (hsx.streams.specforge_layout, as ``hsx publish specforge`` writes them for a
+feeder's own writer (hsx.streams.specforge_layout, as ``hsx feed specforge`` writes them for a
 running job), the channel is closed, and SpecForge's FeatureDataLoader (StreamingRefQueue +
 SharedDirFeatureStore + the EAGLE-3 streaming collator) feeds Eagle3TrainStrategy for STEPS steps (the
 stream is read again while steps are left). Needs specforge 0.2.0 and triton (CUDA torch brings it).
@@ -31,8 +31,8 @@ from hsx.manifest import Manifest
 from hsx.streams import specforge_layout as layout
 
 
-def publish_finished(output_dir: Path, work: Path, tag: str) -> tuple[Path, Path]:
-    """The job's samples as the publisher writes them, then the channel's close sentinel."""
+def feed_finished(output_dir: Path, work: Path, tag: str) -> tuple[Path, Path]:
+    """The job's samples as the feeder writes them, then the channel's close sentinel."""
     manifest = Manifest.load(output_dir)
     channel = layout.RefChannel(work / tag / "refs.jsonl")
     features = layout.FeatureDir(work / "features", tag)
@@ -40,7 +40,7 @@ def publish_finished(output_dir: Path, work: Path, tag: str) -> tuple[Path, Path
         sid = layout.sample_id(manifest.job_id, sample.index)
         tensors = layout.eagle3_tensors(sample, manifest.dtype)
         features.write(sid, tensors)
-        channel.publish(
+        channel.append(
             [layout.sample_ref(sid, features, tensors, manifest.job_id, {"hsx_job": manifest.job_id})]
         )
     features.sync()
@@ -109,7 +109,7 @@ def main(output_dir: str, model_dir: str, steps: int, work_dir: str | None) -> N
     rounds = 0
     while len(losses) < steps:
         rounds += 1
-        channel_path, store_root = publish_finished(Path(output_dir), work, f"round{rounds}")
+        channel_path, store_root = feed_finished(Path(output_dir), work, f"round{rounds}")
         queue = StreamingRefQueue(StreamingRefChannel(str(channel_path)), poll_s=0.05, idle_timeout_s=60)
         store = SharedDirFeatureStore(str(store_root), store_id=f"round{rounds}")
         for batch in FeatureDataLoader(store, queue, batch_size=1, collate_fn=collate, strategy="eagle3"):

@@ -1,18 +1,18 @@
-"""``hsx publish specforge JOB``: feed a running hsx job into SpecForge 0.2.0's own disaggregated stream,
+"""``hsx feed specforge JOB``: feed a running hsx job into SpecForge 0.2.0's own disaggregated stream,
 so SpecForge's online consumer trains from it with no hsx code on its side (layout:
 :mod:`hsx.streams.specforge_layout`; docs/streaming.md, "SpecForge's own stream").
 
-The publisher is an hsx stream consumer like any trainer. It leases one committed shard at a time, writes
+The feeder is an hsx stream consumer like any trainer. It leases one committed shard at a time, writes
 each sample's features into the shared feature directory, appends the samples' refs to the channel, and
 acknowledges the shard to hsx only once the trainer is done with every sample of it: the sample's position
 in the channel is below the trainer's consumed counter, or its feature file is gone (released). Until then
-the shard stays leased, so its bytes count against the job's cap. The publisher leases no more while
-``window`` refs are published but not consumed, so SpecForge's backpressure holds hsx's workers back
+the shard stays leased, so its bytes count against the job's cap. The feeder leases no more while
+``window`` refs are appended but not consumed, so SpecForge's backpressure holds hsx's workers back
 exactly as a slow hsx consumer does.
 
 A failed or cancelled job becomes the channel's ``.failed`` sentinel (the trainer raises); a succeeded
-one, once every shard is published, ``.closed`` (the trainer ends when drained). A restarted publisher
-continues the same channel: refs already published are not published again, and the old hsx consumer's
+one, once every shard is fed, ``.closed`` (the trainer ends when drained). A restarted feeder
+continues the same channel: refs already appended are not appended again, and the old hsx consumer's
 leases are handed back first so its shards come back at once.
 """
 
@@ -37,13 +37,13 @@ from hsx.streams.specforge_cli import DEFAULT_LEASE_SECONDS, DEFAULT_WINDOW
 log = logging.getLogger(__name__)
 
 
-class PublishError(RuntimeError):
-    """The publisher cannot go on (the API refused it, the channel belongs to another job)."""
+class FeedError(RuntimeError):
+    """The feeder cannot go on (the API refused it, the channel belongs to another job)."""
 
 
 @dataclass
 class HeldItem:
-    """A leased hsx shard whose samples are published, waiting for the trainer to finish them."""
+    """A leased hsx shard whose samples are fed, waiting for the trainer to finish them."""
 
     item_id: int
     delivery: int
@@ -51,16 +51,16 @@ class HeldItem:
 
 
 @dataclass
-class PublishResult:
+class FeedResult:
     outcome: str  # closed | failed | trainer_done | trainer_failed
-    published: int = 0  # refs this run appended
+    appended: int = 0  # refs this run appended
     acked_items: int = 0
     reason: str | None = None
-    peak_in_flight: int = 0  # refs published but not consumed, at most, as the publisher saw it
+    peak_in_flight: int = 0  # refs appended but not consumed, at most, as the feeder saw it
 
 
 @dataclass
-class SpecForgePublisher:
+class SpecForgeFeeder:
     api_url: str
     job_id: str
     channel_path: Path
@@ -72,9 +72,9 @@ class SpecForgePublisher:
     poll_seconds: float = 0.5
     verify_checksums: bool = True
     timeout: float = 60.0
-    # How long an unreachable API (connection errors, 5xx: a restart) is retried before the publish fails.
+    # How long an unreachable API (connection errors, 5xx: a restart) is retried before the feed fails.
     outage_seconds: float = 600.0
-    name: str = "specforge-publisher"
+    name: str = "specforge-feeder"
     should_stop: Callable[[], bool] = field(default=lambda: False)
     # Where features go; default: SharedDirFeatureStore's layout under store_root/store_id.
     sink: layout.FeatureSink | None = None
@@ -91,17 +91,17 @@ class SpecForgePublisher:
     # -- the API ------------------------------------------------------------------------------------------
     def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
         path = f"/jobs/{self.job_id}{path}"
-        return call_api(self._http, method, path, body, self.outage_seconds, PublishError)
+        return call_api(self._http, method, path, body, self.outage_seconds, FeedError)
 
     def _register(self) -> None:
         previous = self.channel.read_sidecar(layout.HSX_CONSUMER)
         if previous:
-            # A publisher of this channel stopped without finishing: its shards go back to the queue now
+            # A feeder of this channel stopped without finishing: its shards go back to the queue now
             # rather than after its lease (an hour by default); a consumer already gone is fine.
             try:
                 self._call("DELETE", f"/consumers/{previous}")
-            except PublishError as exc:
-                log.info("previous publisher consumer %s not closed: %s", previous, exc)
+            except FeedError as exc:
+                log.info("previous feeder consumer %s not closed: %s", previous, exc)
         body = {"name": self.name, "lease_seconds": self.lease_seconds}
         self.consumer_id = str(self._call("POST", "/consumers", body)["id"])
         self.channel.write_sidecar(layout.HSX_CONSUMER, self.consumer_id)
@@ -115,18 +115,18 @@ class SpecForgePublisher:
             if doc.get("engine"):
                 return manifest_for(doc), doc["engine"]
             if self.should_stop():
-                return "publisher stopped before the job started"
+                return "feeder stopped before the job started"
             time.sleep(self.poll_seconds)
 
     # -- the loop -----------------------------------------------------------------------------------------
-    def run(self) -> PublishResult:
+    def run(self) -> FeedResult:
         self._check_channel()
         self._register()
         started = self._manifest()
         if isinstance(started, str):
             self.channel.fail(started)
             self._leave()
-            return PublishResult("failed", reason=started)
+            return FeedResult("failed", reason=started)
         manifest, engine = started
         if manifest.final_state == "pre":
             reason = (
@@ -135,26 +135,26 @@ class SpecForgePublisher:
             )
             self.channel.fail(reason)
             self._leave()
-            return PublishResult("failed", reason=reason)
+            return FeedResult("failed", reason=reason)
         meta = {
             "hsx_job": self.job_id,
             "target_model_version": str(engine.get("model_path", "unknown")),
             "tokenizer_version": str((engine.get("tokenizer") or {}).get("sha256", "unknown")),
         }
-        result = PublishResult("closed")
+        result = FeedResult("closed")
         try:
             self._loop(manifest, meta, result)
         except BaseException as exc:
-            # The trainer must not take a broken publisher for the end of its data.
+            # The trainer must not take a broken feeder for the end of its data.
             if not isinstance(exc, KeyboardInterrupt):
-                self.channel.fail(f"hsx publisher failed: {type(exc).__name__}: {exc}")
+                self.channel.fail(f"hsx feeder failed: {type(exc).__name__}: {exc}")
             raise
         finally:
             self._leave()
         return result
 
-    def _loop(self, manifest: Manifest, meta: dict[str, Any], result: PublishResult) -> None:
-        leased_all = False  # the job succeeded and every shard was leased to us (and published) at least once
+    def _loop(self, manifest: Manifest, meta: dict[str, Any], result: FeedResult) -> None:
+        leased_all = False  # the job succeeded and every shard was leased to us (and fed) at least once
         while True:
             stopped = self.channel.consumer_stopped()
             if stopped is not None:
@@ -163,7 +163,7 @@ class SpecForgePublisher:
                 return
             consumed = self.channel.consumed()
             result.acked_items += self._settle(consumed)
-            in_flight = self.channel.published - consumed
+            in_flight = self.channel.appended - consumed
             result.peak_in_flight = max(result.peak_in_flight, in_flight)
             if leased_all:
                 if not self.held:
@@ -176,7 +176,7 @@ class SpecForgePublisher:
                     result.outcome, result.reason = "failed", reason
                     return
                 for item in answer["items"]:
-                    result.published += self._publish_item(item, manifest, meta)
+                    result.appended += self._feed_item(item, manifest, meta)
                 if answer["end_of_stream"] and not answer["items"]:
                     leased_all = True
                     if not self.channel.is_closed():
@@ -191,7 +191,7 @@ class SpecForgePublisher:
                     result.outcome, result.reason = "failed", ended
                     return
             if self.should_stop():
-                result.outcome, result.reason = "stopped", "publisher asked to stop"
+                result.outcome, result.reason = "stopped", "feeder asked to stop"
                 return
             time.sleep(self.poll_seconds)
 
@@ -203,7 +203,7 @@ class SpecForgePublisher:
             else None
         )
 
-    def _publish_item(self, item: dict[str, Any], manifest: Manifest, meta: dict[str, Any]) -> int:
+    def _feed_item(self, item: dict[str, Any], manifest: Manifest, meta: dict[str, Any]) -> int:
         item_id, delivery = int(item["id"]), int(item["delivery"])
         if item_id in self.held:  # our own lease ran out and came back: the samples are out already
             self.held[item_id].delivery = delivery
@@ -214,9 +214,9 @@ class SpecForgePublisher:
         for sample in item_samples(item, manifest, self.verify_checksums):
             sid = layout.sample_id(self.job_id, sample.index)
             sample_ids.append(sid)
-            if sid in self.position:  # published before a restart
+            if sid in self.position:  # appended before a restart
                 if self.position[sid] >= consumed and not self.features.exists(sid):
-                    # Mooncake: the objects went with the old publisher's memory segment; put them again.
+                    # Mooncake: the objects went with the old feeder's memory segment; put them again.
                     self.features.write(sid, layout.eagle3_tensors(sample, manifest.dtype))
                 continue
             tensors = layout.eagle3_tensors(sample, manifest.dtype)
@@ -224,8 +224,8 @@ class SpecForgePublisher:
             sample_meta = {**meta, "hsx_sample": sample.index, "hsx_unit": int(item["unit_index"])}
             refs.append(layout.sample_ref(sid, self.features, tensors, self.job_id, sample_meta))
         self.features.sync()  # the files' renames are durable before any ref names them
-        first = self.channel.published
-        self.channel.publish(refs)
+        first = self.channel.appended
+        self.channel.append(refs)
         for n, ref in enumerate(refs):
             self.position[ref["sample_id"]] = first + n
         self.held[item_id] = HeldItem(item_id, delivery, sample_ids)
@@ -256,17 +256,17 @@ class SpecForgePublisher:
         for ref in self.channel.refs[:1]:
             owner = (ref.get("metadata") or {}).get("hsx_job")
             if owner != self.job_id:
-                raise PublishError(f"{self.channel_path} carries job {owner}'s refs, not {self.job_id}'s")
+                raise FeedError(f"{self.channel_path} carries job {owner}'s refs, not {self.job_id}'s")
         failure = self.channel.read_sidecar(layout.FAILED)
         if failure is not None:
-            raise PublishError(f"{self.channel_path} has failed already ({failure}); use a fresh channel")
+            raise FeedError(f"{self.channel_path} has failed already ({failure}); use a fresh channel")
 
     def _leave(self) -> None:
         """Hand back what is still leased (the trainer stopped, or the job ended) and close the client."""
         try:
             if self.consumer_id:
                 self._call("DELETE", f"/consumers/{self.consumer_id}")
-        except PublishError as exc:
+        except FeedError as exc:
             log.warning("could not close hsx consumer %s: %s", self.consumer_id, exc)
         finally:
             self._http.close()
@@ -278,12 +278,12 @@ def _broken(job_id: str, state: str, error: str | None) -> str:
     return f"hsx job {job_id} {state}: {error or 'no reason given'}"
 
 
-def run_publish_command(args: argparse.Namespace, token: str | None) -> int:
+def run_feed_command(args: argparse.Namespace, token: str | None) -> int:
     store_id = args.store_id or args.job_id
     sink = None
     if args.backend == "mooncake":
         if not (args.mooncake_master and args.mooncake_metadata):
-            print("hsx publish: --backend mooncake needs --mooncake-master and --mooncake-metadata")
+            print("hsx feed: --backend mooncake needs --mooncake-master and --mooncake-metadata")
             return 2
         from hsx.streams.specforge_mooncake import MooncakeFeatures, MooncakeSetup
 
@@ -295,9 +295,9 @@ def run_publish_command(args: argparse.Namespace, token: str | None) -> int:
         )
         sink = MooncakeFeatures(setup, store_id)
     elif args.store_root is None:
-        print("hsx publish: --backend shared_dir needs --store-root")
+        print("hsx feed: --backend shared_dir needs --store-root")
         return 2
-    publisher = SpecForgePublisher(
+    feeder = SpecForgeFeeder(
         api_url=args.api_url,
         job_id=args.job_id,
         channel_path=args.channel,
@@ -310,12 +310,12 @@ def run_publish_command(args: argparse.Namespace, token: str | None) -> int:
         sink=sink,
     )
     try:
-        result = publisher.run()
-    except PublishError as exc:
-        print(f"hsx publish: {exc}")
+        result = feeder.run()
+    except FeedError as exc:
+        print(f"hsx feed: {exc}")
         return 2
     print(
-        f"hsx publish specforge: {result.outcome}; {result.published} refs published, "
+        f"hsx feed specforge: {result.outcome}; {result.appended} refs appended, "
         f"{result.acked_items} shards acknowledged" + (f"; {result.reason}" if result.reason else "")
     )
     return 0 if result.outcome in ("closed", "trainer_done") else 1
