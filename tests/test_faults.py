@@ -741,15 +741,15 @@ def _claimer(db_url: str, job_id: str, lease: float, stall: float, marks: str, r
         if stall and claims % 3 == 1:
             time.sleep(stall)  # frozen past the lease: this commit must be refused
 
-        def publish(index: int = unit.unit_index) -> None:
+        def place(index: int = unit.unit_index) -> None:
             fd = os.open(os.path.join(marks, f"unit-{index}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            os.close(fd)  # FileExistsError here would be a second publication of one unit
+            os.close(fd)  # FileExistsError here would be a second placing of one unit
 
         n = unit.sample_end - unit.sample_start
         rejected = [repo.RejectionRow(unit.sample_start, "test_reason", "first sample of each unit")]
         shard = repo.ShardRow(f"{marks}/shard-{unit.unit_index}", "0" * 64, 100 * n, n - 1, 10 * (n - 1))
         with session_scope(db_url) as session:
-            ok = repo.commit_unit(session, unit, time.time(), shard, rejected, n - 1, 10 * (n - 1), publish)
+            ok = repo.commit_unit(session, unit, time.time(), shard, rejected, n - 1, 10 * (n - 1), place)
         done.append((unit.unit_index, unit.attempt, ok))
     results.put((os.getpid(), done))
 

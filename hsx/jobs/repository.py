@@ -29,7 +29,7 @@ class ClaimedUnit:
     owner: str
     byte_start: int | None = None
     byte_end: int | None = None
-    # A retry unit's samples (its range holds others, already published or rejected for good).
+    # A retry unit's samples (its range holds others, already committed or rejected for good).
     sample_indices: tuple[int, ...] | None = None
     # The unit whose rejections a retry unit re-runs; they are replaced when this one commits.
     source_unit_id: int | None = None
@@ -337,16 +337,16 @@ def commit_unit(
     rejections: Sequence[RejectionRow],
     samples_done: int,
     tokens: int,
-    publish: Callable[[], None],
+    place: Callable[[], None],
     truncations: Sequence[TruncationRow] = (),
     hooks: Sequence[CommitHook] = (),
 ) -> bool:
     """Record a unit's results once. The fenced UPDATE both checks that this attempt still owns an unexpired
-    lease and takes the row's write lock, so ``publish`` (the shard's rename into place) runs while no
+    lease and takes the row's write lock, so ``place`` (the shard's rename into place) runs while no
     other attempt can commit. Returns False, writing nothing, when the lease was lost.
 
     A retry unit replaces the rejections of the samples it re-ran in this same transaction: a sample is
-    never both published and rejected, and never published twice. ``hooks`` run last, in the same
+    never both kept and rejected, and never kept twice. ``hooks`` run last, in the same
     transaction (:data:`CommitHook`)."""
     result = session.execute(
         update(WorkUnit)
@@ -366,7 +366,7 @@ def commit_unit(
     if not result.rowcount:  # type: ignore[attr-defined]
         return False
     replaced = _take_back_rejections(session, unit)
-    publish()
+    place()
     shard_row = None
     if shard is not None:
         shard_row = Shard(
