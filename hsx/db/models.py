@@ -192,4 +192,5 @@ class Truncation(Base):
 # The stream tables live with the stream code but belong to the same schema: importing them here puts them
 # in Base.metadata wherever the models are imported (migrations, the schema comparison), not only where the
 # stream code happens to have been imported first.
+import hsx.regenerate.models  # noqa: E402, F401
 import hsx.streams.models  # noqa: E402, F401
