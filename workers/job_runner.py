@@ -360,7 +360,11 @@ class JobRunner:
         staged = staged_path(job.output_dir, unit.unit_index, unit.attempt)
         try:
             with keeper:
-                records = read_unit_records(job.records_path, job.records_bytes, span, job.options.format)
+                # A regenerate job takes prompts with no answer yet: it generates one.
+                answered = job.options.regenerate is None
+                records = read_unit_records(
+                    job.records_path, job.records_bytes, span, job.options.format, answered
+                )
                 held: Iterable[UnitRecord] = (r for r in records if unit.holds(r[0]))
                 if self._stage is not None:
                     held = self._stage.run(unit, held, lambda: keeper.should_stop)

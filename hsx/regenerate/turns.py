@@ -18,6 +18,7 @@ full text.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +90,9 @@ class TurnRegenerator:
         eos = tokenizer.eos_token_id
         # The engine also stops on the model's own eos ids; the tokenizer's end-of-turn is named too.
         self.stop_token_ids: tuple[int, ...] = () if eos is None else (int(eos),)
+        # Samples are regenerated on several threads; a Rust tokenizer may refuse concurrent use ("Already
+        # borrowed"), and its work is small next to a generation.
+        self._lock = threading.Lock()
 
     def regenerate(self, messages: Sequence[Any], generate: TurnGenerator) -> Regenerated:
         from workers.turn_spans import EncodeError
@@ -106,7 +110,7 @@ class TurnRegenerator:
         targets = turns_to_rewrite(conversation, self.options.turns)
         if not targets:
             raise RegenerateError(NOTHING_TO_REGENERATE, "no assistant turn without tool calls to rewrite")
-        built = _Pieces(self.encoder)
+        built = _Pieces(self.encoder, self._lock)
         result = Regenerated(conversation, [], [])
         for number, index in enumerate(targets):
             built.extend_to(self.encoder.render(conversation[:index], True), f"before turn {index}")
@@ -139,16 +143,19 @@ class TurnRegenerator:
         return result
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return str(
-            self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        )
+        with self._lock:
+            text = self.tokenizer.decode(
+                list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        return str(text)
 
 
 class _Pieces:
     """The sample being built: its text, ids, mask, and where each token lies in the text."""
 
-    def __init__(self, encoder: Any) -> None:
+    def __init__(self, encoder: Any, lock: threading.Lock) -> None:
         self.encoder = encoder
+        self.lock = lock
         self.text = ""
         self.ids: list[int] = []
         self.mask: list[int] = []
@@ -168,7 +175,8 @@ class _Pieces:
         piece = rendered[len(self.text) :]
         if not piece:
             return
-        ids, view = self.encoder.tokenize(piece)
+        with self.lock:
+            ids, view = self.encoder.tokenize(piece)
         base = len(self.text)
         self.ids += ids
         self.mask += [0] * len(ids)
