@@ -175,26 +175,6 @@ def generate_body(input_ids: Sequence[int], rid: str, extra_key: str | None = No
     return body
 
 
-def prefill_reply(
-    rid: str, prompt_tokens: int, cached_tokens: int, output_id: int, started: float
-) -> dict[str, Any]:
-    """The ``/generate`` answer of the hsx engines, shaped like SGLang's (``started``: ``time.monotonic()``
-    when the request arrived)."""
-    import time
-
-    return {
-        "output_ids": [output_id],
-        "meta_info": {
-            "id": rid,
-            "prompt_tokens": prompt_tokens,
-            "cached_tokens": cached_tokens,
-            "completion_tokens": 1,
-            "finish_reason": {"type": "length", "length": 1},
-            "e2e_latency": time.monotonic() - started,
-        },
-    }
-
-
 # --- safetensors, through the one codec in hsx.safetensors_io (no pickle, no torch) -----------------
 
 
