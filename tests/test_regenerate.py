@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from tests.fixtures.live_server import serve_in_thread
 from tests.fixtures.stack import REPO, Stack, make_stack
 
 postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
@@ -143,6 +144,146 @@ def test_a_bad_regenerate_option_is_a_422_naming_the_field(
     assert doc["regenerate"] is None and doc["options"]["regenerate"] is None
     refused = stack.client.get(f"/jobs/{doc['id']}/regenerated")
     assert refused.status_code == 409 and refused.json()["error"] == "not_regenerated", refused.text
+
+
+# --- a regenerate job end to end ---------------------------------------------------------------------------
+
+
+@postgres_only
+def test_a_regenerate_job_captures_the_engines_own_ids_and_its_dataset_recaptures_bit_for_bit(
+    stack: Stack, tmp_path: Path
+) -> None:
+    from hsx.engine_client import EngineClient
+    from hsx.regenerate.engine_contract import GenerationParams
+
+    dataset = write_rows(tmp_path / "rows.jsonl", ROWS)
+    regenerate = {"max_new_tokens": 6, "temperature": 0.0}
+    doc = stack.submit(dataset, samples_per_shard=3, regenerate=regenerate)
+    assert doc["options"]["regenerate"]["max_new_tokens"] == 6
+    stack.start_worker()
+    doc = stack.wait(doc["id"], timeout=240)
+    assert doc["state"] == "succeeded", (doc, stack.logs())
+
+    # Accounting: every input row is regenerated or rejected with a reason, once.
+    progress, regen = doc["progress"], doc["regenerate"]
+    assert doc["rejections"] == {"malformed_json": 1, "regenerate_needs_messages": 1}, doc["rejections"]
+    assert regen["samples_regenerated"] + sum(doc["rejections"].values()) == len(ROWS)
+    assert progress["samples_done"] == regen["samples_regenerated"] == len(KEPT)
+    # The tool-call turn is kept; the open question and the prompt alone are answered.
+    assert regen["turns_generated"] == 1 + 2 + 1 + 2 + 1
+    assert 0 < regen["generated_tokens"] <= 6 * regen["turns_generated"]
+    assert regen["captured_tokens"] == progress["tokens"] and regen["generated_tokens_per_second"] > 0
+
+    # /metrics counts what the workers generated (they push it at the end of each unit).
+    metrics = stack.client.get("/metrics").text
+    pushed = [line for line in metrics.splitlines() if line.startswith("hsx_generated_tokens_total ")]
+    assert pushed and float(pushed[0].split()[1]) == regen["generated_tokens"], pushed
+
+    lines = download(stack, doc["id"])
+    assert [line["id"] for line in lines] == list(KEPT)
+    captured = shard_samples(doc["output_dir"])
+    assert sorted(captured) == [line["sample_index"] for line in lines]
+    with EngineClient(stack.env["HSX_ENGINE_URL"]) as client:
+        for line in lines:
+            ids, mask = captured[line["sample_index"]]
+            # The shard holds exactly the kept text's ids and mask.
+            assert ids.tolist() == line["input_ids"] and mask.tolist() == line["loss_mask"]
+            assert line["generation"]["max_new_tokens"] == 6 and line["messages"][-1]["role"] == "assistant"
+            spans = masked_runs(line["loss_mask"])
+            if line["id"] == "tool":
+                # The tool call is kept as written, and trained as in any job; the answer after it is new.
+                assert line["messages"][1] == TOOL_CALL and len(spans) == 2
+                generated = [spans[-1]]
+            else:
+                assert sum(line["loss_mask"]) == line["generation"]["generated_tokens"]
+                generated = spans
+            assert len(generated) == len(line["generation"]["finish_reasons"])
+            # Each generated span is the engine's own answer to the ids before it (greedy: the same again).
+            for (start, end), reason in zip(generated, line["generation"]["finish_reasons"], strict=True):
+                again = client.generate(
+                    line["input_ids"][:start], GenerationParams(max_new_tokens=6), f"hsxgen-test-{start}"
+                )
+                assert again.output_ids == line["input_ids"][start:end] and again.finish_reason == reason
+    # The user turns are kept as written; every assistant turn is the engine's (the last one appended).
+    opened = lines[3]["messages"]
+    assert [opened[0], opened[2]] == [ROWS[3]["messages"][0], ROWS[3]["messages"][2]] and len(opened) == 4
+    assert opened[1]["content"] != ROWS[3]["messages"][1]["content"]
+    assert lines[4]["messages"][0] == ROWS[4]["messages"][0] and len(lines[4]["messages"]) == 2
+
+    # The download (through the CLI, over real HTTP), submitted again without regenerate, captures the same
+    # ids and masks bit for bit.
+    from app.main import create_app
+    from hsx.cli import main as hsx_main
+
+    again_path = tmp_path / "regenerated.jsonl"
+    with serve_in_thread(create_app()) as api:
+        assert hsx_main(["regenerated", doc["id"], "-o", str(again_path), "--api-url", api]) == 0
+        assert hsx_main(["regenerated", "no-such-job", "-o", str(tmp_path / "none"), "--api-url", api]) == 2
+    assert not (tmp_path / "none").exists() and not list(tmp_path.glob("*.partial"))
+    assert [json.loads(line) for line in again_path.read_text().splitlines()] == lines
+    recapture = stack.wait(stack.submit(again_path, samples_per_shard=2)["id"], timeout=240)
+    assert recapture["state"] == "succeeded" and recapture["progress"]["samples_rejected"] == 0, recapture
+    recaptured = shard_samples(recapture["output_dir"])
+    assert len(recaptured) == len(lines)
+    for k, line in enumerate(lines):
+        ids, mask = recaptured[k]
+        first_ids, first_mask = captured[line["sample_index"]]
+        assert ids.dtype == first_ids.dtype and ids.tobytes() == first_ids.tobytes()
+        assert mask.dtype == first_mask.dtype and mask.tobytes() == first_mask.tobytes()
+
+
+def masked_runs(mask: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for position, bit in enumerate(mask):
+        if bit and (not runs or runs[-1][1] != position):
+            runs.append((position, position + 1))
+        elif bit:
+            runs[-1] = (runs[-1][0], position + 1)
+    return runs
+
+
+# --- exactly once, the text included ----------------------------------------------------------------------
+
+
+@postgres_only
+def test_a_worker_killed_between_generation_and_capture_leaves_the_kept_text_to_the_next_attempt(
+    db_url: str, redis_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stack = make_stack(db_url, redis_url, engine_nocache.url, tmp_path, monkeypatch, **FAST)
+    try:
+        dataset = write_rows(tmp_path / "rows.jsonl", ROWS[:4])
+        # Sampled, with no seed: a second generation would almost surely write another text.
+        regenerate = {"max_new_tokens": 12, "temperature": 1.0, "turns": "last"}
+        job_id = stack.submit(dataset, samples_per_shard=4, regenerate=regenerate)["id"]
+        marker = tmp_path / "crashed"
+        crash = {"HSX_CRASH_AT": "after_regenerate_durable", "HSX_CRASH_ONCE_FILE": str(marker)}
+        # The killed work horse's worker goes on (it counts the death) and takes the unit again.
+        stack.run_burst(timeout=180, extra_env=crash)
+        assert marker.exists(), stack.logs()
+        doc = stack.job(job_id)
+        if doc["state"] not in ("succeeded", "failed"):
+            stack.start_worker()
+            doc = stack.wait(job_id, timeout=240)
+        assert doc["state"] == "succeeded", (doc, stack.logs())
+        units = stack.client.get(f"/jobs/{job_id}/units").json()
+        attempts = [u["attempt"] for u in (units["items"] if isinstance(units, dict) else units)]
+        assert attempts == [2], units
+        # Every text was kept by the first attempt, and the second captured those: with sampling on and no
+        # seed, a second generation would have given other ids.
+        first = kept_rows(stack.env["HSX_DATABASE_URL"], job_id)
+        assert sorted(first) == [0, 1, 2, 3] and all(a == 1 and r is None for a, r, _ in first.values()), (
+            first
+        )
+        captured = shard_samples(doc["output_dir"])
+        assert {i: ids.tolist() for i, (ids, _) in captured.items()} == {
+            i: ids for i, (_, _, ids) in first.items()
+        }
+        assert doc["regenerate"]["samples_regenerated"] + doc["progress"]["samples_rejected"] == 4
+    finally:
+        stack.stop_workers()
+        from hsx.settings import get_settings
+
+        get_settings.cache_clear()
 
 
 # --- composes with the other options ----------------------------------------------------------------------
