@@ -146,6 +146,68 @@ def test_a_bad_regenerate_option_is_a_422_naming_the_field(
     assert refused.status_code == 409 and refused.json()["error"] == "not_regenerated", refused.text
 
 
+# --- turn by turn, against the engine ----------------------------------------------------------------------
+
+
+def engine_turns(client: Any, max_new_tokens: int) -> Any:
+    """The worker's turn generator over a real engine: greedy, as the stage asks."""
+    from hsx.regenerate.engine_contract import GenerationParams
+    from hsx.regenerate.turns import GeneratedTurn
+
+    def generate(prompt: list[int], turn: int) -> GeneratedTurn:
+        done = client.generate(
+            prompt, GenerationParams(max_new_tokens=max_new_tokens), f"hsxgen-turns-{turn}"
+        )
+        return GeneratedTurn(done.output_ids, done.finish_reason)
+
+    return generate
+
+
+def test_under_last_the_earlier_turns_are_kept_and_masked_as_in_any_job(
+    tokenizer: Any, engine_nocache: Any
+) -> None:
+    from hsx.engine_client import EngineClient
+    from hsx.job_options import RegenerateOptions
+    from hsx.regenerate.turns import TurnRegenerator
+    from workers.chat import ChatEncoder
+
+    conversation = ROWS[1]["messages"]
+    regenerator = TurnRegenerator(tokenizer, RegenerateOptions(turns="last", max_new_tokens=5), 4096)
+    with EngineClient(engine_nocache.url) as client:
+        done = regenerator.regenerate(conversation, engine_turns(client, 5))
+    assert done.messages[:4] == conversation[:4] and done.messages[4]["content"] != conversation[4]["content"]
+    # Up to the rewritten turn, the ids and mask are exactly those any job gives the kept conversation.
+    before = ChatEncoder(tokenizer).encode(done.messages)
+    text = tokenizer.apply_chat_template(conversation[:4], tokenize=False, add_generation_prompt=True)
+    prompt = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert done.input_ids[:prompt] == before.input_ids[:prompt]
+    assert done.loss_mask[:prompt] == before.loss_mask[:prompt] and any(done.loss_mask[:prompt])
+    # After it: the generated ids, masked, then the template's closing, not.
+    generated = done.generated_tokens
+    assert done.loss_mask[prompt:] == [1] * generated + [0] * (len(done.input_ids) - prompt - generated)
+
+
+def test_a_turn_stopped_on_max_new_tokens_is_kept_and_counted_or_dropped(
+    tokenizer: Any, engine_nocache: Any
+) -> None:
+    from hsx.engine_client import EngineClient
+    from hsx.job_options import RegenerateOptions
+    from hsx.regenerate.turns import GENERATION_LENGTH, RegenerateError, TurnRegenerator
+
+    conversation = [{"role": "user", "content": "Tell me a long story about a dragon."}]
+    with EngineClient(engine_nocache.url) as client:
+        kept = TurnRegenerator(tokenizer, RegenerateOptions(max_new_tokens=2), 4096).regenerate(
+            conversation, engine_turns(client, 2)
+        )
+        assert kept.finish_reasons == ["length"] and kept.turns_at_length == 1 and kept.generated_tokens == 2
+        # Cut short, the turn has no end-of-turn token of its own: the template closes it, unmasked.
+        assert kept.loss_mask[-kept.generated_tokens - 2 :] == [1, 1, 0, 0]
+        drop = TurnRegenerator(tokenizer, RegenerateOptions(max_new_tokens=2, on_length="drop"), 4096)
+        with pytest.raises(RegenerateError) as refused:
+            drop.regenerate(conversation, engine_turns(client, 2))
+    assert refused.value.reason == GENERATION_LENGTH
+
+
 # --- a regenerate job end to end ---------------------------------------------------------------------------
 
 
