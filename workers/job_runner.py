@@ -43,7 +43,7 @@ from hsx.jobs.publication import destination_of, publish_committed
 from hsx.jobs.queue import wake_idle_workers
 from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
-from hsx.regenerate.stage import RegenerateStage, UnitRecord, record_stage
+from hsx.regenerate.stage import record_stage
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
 from hsx.streams.contract import ClaimWait
@@ -51,6 +51,7 @@ from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
 from workers.lease import LeaseKeeper
+from workers.record_stage import RecordStage, UnitRecord
 from workers.shards import ShardWriteError
 from workers.unit_commit import commit_unit, staged_path
 from workers.unit_processor import UnitAborted, UnitProcessor, UnitResult
@@ -129,7 +130,7 @@ class JobRunner:
         self.gate = EngineGate(job_id, settings, settings.engine_url)
         # The identity this wake-up's preflight passed for (the job's start verifies before preparing).
         self._verified_identity: str | None = None
-        self._stage: RegenerateStage | None = None
+        self._stage: RecordStage | None = None
 
     # --- job lifecycle -------------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from hsx.regenerate.turns import (
     RegenerateError,
     TurnRegenerator,
 )
+from workers.record_stage import UnitRecord
 from workers.unit_processor import UnitAborted
 
 if TYPE_CHECKING:
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-UnitRecord = tuple[int, Record, str | None]
 # Kept rows written per fenced transaction: a crash loses at most this many samples' generation.
 WRITE_BATCH = 8
 
