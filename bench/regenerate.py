@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import uuid
@@ -45,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Stack, mean, private_stack, say, table  # noqa: E402
+from harness import REPO, Stack, mean, private_stack, say, table  # noqa: E402
 from sglang_capture import Client as BareClient  # noqa: E402
 
 from hsx.engine_client import EngineClient  # noqa: E402
@@ -168,6 +169,10 @@ def converse(
 
 
 def start_engine(stack: Stack, backend: str, cache: bool, name: str) -> str:
+    # The checkout's converted default model, rather than a conversion into the stack's fresh data dir.
+    models = REPO / ".hsx" / "models"
+    if "HSX_MODEL_CACHE_DIR" not in os.environ and models.is_dir():
+        stack.env["HSX_MODEL_CACHE_DIR"] = str(models)
     port = free_port()
     args = ["engine", "--backend", backend, "--port", str(port), "--dump-dir", stack.env["HSX_DUMP_DIR"]]
     if backend == "reference" and not cache:
