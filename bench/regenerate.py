@@ -76,9 +76,8 @@ class Run:
 
 def questions(samples: int, words: int, seed: int = 5) -> list[str]:
     rng = np.random.default_rng(seed)
-    return [
-        f"Question {i}: say more about {' '.join(rng.choice(WORDS, size=words))}." for i in range(samples)
-    ]
+    picks = [" ".join(rng.choice(VOCABULARY, size=words)) for _ in range(samples)]
+    return [f"Question {i}: say more about {picked}." for i, picked in enumerate(picks)]
 
 
 def templated_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:

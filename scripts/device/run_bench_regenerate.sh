@@ -80,7 +80,7 @@ LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
 timeout $(( LEFT - 20 )) python3 -m hsx.cli bench regenerate --engine-url http://127.0.0.1:30000 \
   --cache-engine-url http://127.0.0.1:30001 --samples "$SAMPLES" --max-new-tokens "$MAX_NEW" \
   --processes "$PROCESSES" --concurrency "$CONCURRENCY" --conversations "$(( PROCESSES * CONCURRENCY ))" \
-  --turns 3 --user-tokens 256 --rounds 1 ${BENCH_ARGS:-} \
+  --words "${WORDS:-150}" --turns 3 --user-tokens 256 --rounds 1 ${BENCH_ARGS:-} \
   2> "$OUT/logs/bench_regenerate.log" | tee "$OUT/logs/bench_regenerate.txt"
 say "bench exit ${PIPESTATUS[0]}"
 tail -n 1 "$OUT/logs/bench_regenerate.txt" >> "$OUT/bench_regenerate.json"
