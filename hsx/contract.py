@@ -6,7 +6,8 @@ API imports it without torch.
 Request: SGLang's native ``POST /generate`` with ``input_ids``, ``rid``, ``sampling_params`` (and optionally
 ``extra_key``, SGLang's cache namespace). Response: ``meta_info.prompt_tokens`` and
 ``meta_info.cached_tokens``. Only requests whose rid starts with :data:`RID_PREFIX` are captured; everything
-else (health checks, warm-up) is served but never dumped.
+else (health checks, warm-up, regeneration's generations: hsx/regenerate/engine_contract.py) is served but
+never dumped.
 
 Dump: a directory ``<dump_dir>/<rid>/`` holding :data:`STATES_FILE` (safetensors: ``input_ids`` int32 [T]
 and one ``hidden.<hf_index>`` tensor [T, H] per captured layer) and :data:`META_FILE`. ``meta.json`` is
