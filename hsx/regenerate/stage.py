@@ -164,17 +164,16 @@ class RegenerateStage:
             detail = "a pre-tokenized record has no turns to regenerate; send it in messages form"
             return KeptSample(index, record_id, NEEDS_MESSAGES, detail)
         assert not isinstance(record, SampleError)
-        from hsx.regenerate.engine_contract import GENERATION_RID_PREFIX
+        from hsx.regenerate.engine_contract import generation_rid
 
         seeds: list[int | None] = []
 
         def generate(prompt: list[int], turn: int) -> GeneratedTurn:
             seed = turn_seed(self.options.seed, index, turn)
             seeds.append(seed)
-            rid = (
-                f"{GENERATION_RID_PREFIX}{unit.job_id[:8]}-u{unit.unit_index}a{unit.attempt}-s{index}-g{turn}-"
-                f"{uuid.uuid4().hex[:8]}"
-            )
+            unique = uuid.uuid4().hex[:8]
+            key = f"{unit.job_id[:8]}-u{unit.unit_index}a{unit.attempt}-s{index}-g{turn}-{unique}"
+            rid = generation_rid(key)
             params = generation_params(self.options, seed, regenerator.stop_token_ids)
             return self._generate(prompt, params, rid)
 
