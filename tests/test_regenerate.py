@@ -330,6 +330,9 @@ def test_a_worker_killed_between_generation_and_capture_leaves_the_kept_text_to_
         units = stack.client.get(f"/jobs/{job_id}/units").json()
         attempts = [u["attempt"] for u in (units["items"] if isinstance(units, dict) else units)]
         assert attempts == [2], units
+        logs = "".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob("worker-*.log")))
+        assert "unit 0: 4 samples regenerated and kept, 0 kept by an earlier attempt" in logs, logs[-4000:]
+        assert "unit 0: 0 samples regenerated and kept, 4 kept by an earlier attempt" in logs, logs[-4000:]
         # Every text was kept by the first attempt, and the second captured those: with sampling on and no
         # seed, a second generation would have given other ids.
         first = kept_rows(stack.env["HSX_DATABASE_URL"], job_id)

@@ -101,8 +101,15 @@ class RegenerateStage:
         records = list(records)
         kept = retry_db(lambda: self._load(unit, [index for index, _, _ in records]))
         todo = [r for r in records if r[0] not in kept and not isinstance(r[1], SampleError)]
+        reused = len(kept)
         if todo:
             self._generate_all(unit, todo, kept, should_stop)
+        log.info(
+            "unit %s: %d samples regenerated and kept, %d kept by an earlier attempt",
+            unit.unit_index,
+            len(todo),
+            reused,
+        )
         crash_point("after_regenerate_durable")
         return [self._as_record(index, record, record_id, kept) for index, record, record_id in records]
 
