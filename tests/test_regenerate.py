@@ -354,12 +354,12 @@ def test_a_worker_killed_between_generation_and_capture_leaves_the_kept_text_to_
 # --- composes with the other options ----------------------------------------------------------------------
 
 
-def test_a_regenerate_job_reads_parquet_from_s3_keeps_fp8_states_and_publishes_to_s3(
+def test_a_regenerate_job_reads_parquet_from_s3_keeps_fp8_states_streams_and_publishes_to_s3(
     engine_synthetic: Any, s3_bucket: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Regeneration changes what capture is given, not how it is read, stored or published: a Parquet
-    dataset in the object store, fp8 states, the output published to the store (synthetic engine: no model
-    value is checked here)."""
+    """Regeneration changes what capture is given, not how it is read, stored, streamed or published: a
+    Parquet dataset in the object store, fp8 states, consume retention, the output published to the store
+    (synthetic engine: no model value is checked here)."""
     datasets = pytest.importorskip("datasets", reason="the interop extra provides datasets for the fixture")
     from hsx.db.migrate import upgrade
     from tests.conftest import REDIS_URL
@@ -379,6 +379,8 @@ def test_a_regenerate_job_reads_parquet_from_s3_keeps_fp8_states_and_publishes_t
         options: dict[str, Any] = {
             "samples_per_shard": 5,
             "state_dtype": "fp8_e4m3",
+            "retention": "consume",
+            "buffer_cap_bytes": 1 << 30,
             "regenerate": {"seed": 11, "max_new_tokens": 8},
         }
         job = stack.submit(f"s3://{s3_bucket.name}/datasets/chats.parquet", **options)
@@ -390,6 +392,7 @@ def test_a_regenerate_job_reads_parquet_from_s3_keeps_fp8_states_and_publishes_t
         stack.stop_workers()
     total = sum(1 for line in chats.read_text().splitlines() if line.strip())
     regen = doc["regenerate"]
+    assert doc["stream"] is not None and doc["options"]["retention"] == "consume"
     assert regen["samples_regenerated"] + regen["samples_failed"] == total == doc["progress"]["samples_total"]
     assert doc["progress"]["samples_done"] == regen["samples_regenerated"] == len(lines) > 0
     assert all(line["generation"]["seeds"] and None not in line["generation"]["seeds"] for line in lines)
