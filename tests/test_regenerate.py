@@ -351,6 +351,48 @@ def test_a_worker_killed_between_generation_and_capture_leaves_the_kept_text_to_
         get_settings.cache_clear()
 
 
+@postgres_only
+def test_metrics_show_what_running_regenerate_jobs_generate(
+    db_url: str, redis_url: str, engine_synthetic: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The generation rate beside the capture's: kept texts' tokens over the time the job has run."""
+    from datetime import datetime, timedelta, timezone
+
+    from hsx.db.models import Job, JobState, WorkUnit
+    from hsx.db.session import session_scope
+    from hsx.regenerate.models import RegeneratedSample
+
+    stack = make_stack(db_url, redis_url, engine_synthetic.url, tmp_path, monkeypatch)
+    with session_scope(db_url) as session:
+        session.add(
+            Job(
+                id="regen-metrics",
+                state=JobState.running.value,
+                dataset_uri="x",
+                dataset_path="x",
+                options={"regenerate": {}},
+                request_hash="0" * 64,
+                output_dir=str(tmp_path / "out"),
+                started_at=datetime.now(timezone.utc) - timedelta(seconds=100),
+            )
+        )
+        session.flush()
+        unit = WorkUnit(job_id="regen-metrics", unit_index=0, sample_start=0, sample_end=2)
+        session.add(unit)
+        session.flush()
+        session.add_all(
+            RegeneratedSample(
+                job_id="regen-metrics", unit_id=unit.id, attempt=1, sample_index=i, generated_tokens=500
+            )
+            for i in range(2)
+        )
+    metrics = stack.client.get("/metrics").text
+    rate = [line for line in metrics.splitlines() if line.startswith("hsx_generated_tokens_per_second ")]
+    assert rate and 8.0 < float(rate[0].split()[1]) <= 10.0, rate  # 1,000 tokens over 100 s and a little
+    doc = stack.job("regen-metrics")["regenerate"]
+    assert doc["generated_tokens"] == 1000 and doc["samples_regenerated"] == 2 and doc["samples_failed"] == 0
+
+
 # --- composes with the other options ----------------------------------------------------------------------
 
 

@@ -119,6 +119,18 @@ def totals(session: Session, job_id: str) -> RegenerateTotals:
     return RegenerateTotals(*(int(value or 0) for value in row))
 
 
+def generated_tokens_by_job(session: Session, job_ids: Sequence[str]) -> dict[str, int]:
+    """Tokens generated for the kept texts of each of these jobs (jobs without any are left out)."""
+    if not job_ids:
+        return {}
+    rows = session.execute(
+        select(RegeneratedSample.job_id, func.sum(RegeneratedSample.generated_tokens))
+        .where(RegeneratedSample.job_id.in_(list(job_ids)))
+        .group_by(RegeneratedSample.job_id)
+    )
+    return {job_id: int(tokens or 0) for job_id, tokens in rows}
+
+
 def kept_in_order(session: Session, job_id: str, batch: int = 500) -> Iterator[KeptSample]:
     """Every kept conversation of the job in sample order, read ``batch`` rows at a time (keyset)."""
     after = -1
