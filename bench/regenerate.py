@@ -97,74 +97,72 @@ def random_prompts(samples: int, length: int, vocab: int, seed: int = 3) -> list
     return [rng.integers(3, vocab, size=length).tolist() for _ in range(samples)]
 
 
-def _parallel(items: Sequence[Any], concurrency: int, one: Callable[[Any], tuple[int, int, int]]) -> Run:
-    started = time.perf_counter()
-    with ThreadPoolExecutor(max(1, concurrency)) as pool:
-        results = list(pool.map(one, items))
-    seconds = time.perf_counter() - started
-    return Run(sum(r[0] for r in results), seconds, sum(r[1] for r in results), sum(r[2] for r in results))
+class Driver:
+    """Requests to one engine at a fixed concurrency, through clients and threads kept for the whole run (as
+    a worker keeps its client for a job's life): no measured pass pays for connecting."""
 
+    def __init__(self, url: str, concurrency: int) -> None:
+        self.pool = ThreadPoolExecutor(max(1, concurrency))
+        self.bare = BareClient(url)  # one keep-alive connection a thread
+        self.client = EngineClient(url, timeout=1800)
 
-def generate_plain(url: str, prompts: Sequence[list[int]], params: GenerationParams, concurrency: int) -> Run:
-    """SGLang's ``/generate`` as any client would call it: one keep-alive connection a thread, no hsx."""
-    bare = BareClient(url)
-    sampling = params.sampling_params()
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.client.close()
 
-    def one(ids: list[int]) -> tuple[int, int, int]:
-        body = {"input_ids": ids, "rid": f"plain-{uuid.uuid4().hex}", "sampling_params": sampling}
-        status, out = bare.request("POST", "/generate", body)
-        if status != 200:
-            raise RuntimeError(f"plain /generate: HTTP {status}: {str(out)[:300]}")
-        meta = out["meta_info"]
-        return len(out["output_ids"]), int(meta["prompt_tokens"]), int(meta.get("cached_tokens", 0))
+    def _parallel(self, items: Sequence[Any], one: Callable[[Any], tuple[int, int, int]]) -> Run:
+        started = time.perf_counter()
+        results = list(self.pool.map(one, items))
+        seconds = time.perf_counter() - started
+        return Run(
+            sum(r[0] for r in results), seconds, sum(r[1] for r in results), sum(r[2] for r in results)
+        )
 
-    return _parallel(prompts, concurrency, one)
+    def plain(self, prompts: Sequence[list[int]], params: GenerationParams) -> Run:
+        """SGLang's ``/generate`` as any client would call it: a bare keep-alive POST, no hsx."""
+        sampling = params.sampling_params()
 
+        def one(ids: list[int]) -> tuple[int, int, int]:
+            body = {"input_ids": ids, "rid": f"plain-{uuid.uuid4().hex}", "sampling_params": sampling}
+            status, out = self.bare.request("POST", "/generate", body)
+            if status != 200:
+                raise RuntimeError(f"plain /generate: HTTP {status}: {str(out)[:300]}")
+            meta = out["meta_info"]
+            return len(out["output_ids"]), int(meta["prompt_tokens"]), int(meta.get("cached_tokens", 0))
 
-def generate_hsx(url: str, prompts: Sequence[list[int]], params: GenerationParams, concurrency: int) -> Run:
-    """The worker's path: ``EngineClient.generate`` with generation rids, checked replies."""
-    client = EngineClient(url, timeout=1800)
+        return self._parallel(prompts, one)
 
-    def one(ids: list[int]) -> tuple[int, int, int]:
-        generation = client.generate(ids, params, generation_rid(f"bench-{uuid.uuid4().hex}"))
-        return generation.completion_tokens, generation.prompt_tokens, generation.cached_tokens
+    def hsx(self, prompts: Sequence[list[int]], params: GenerationParams) -> Run:
+        """The worker's path: ``EngineClient.generate`` with generation rids, checked replies."""
 
-    try:
-        return _parallel(prompts, concurrency, one)
-    finally:
-        client.close()
+        def one(ids: list[int]) -> tuple[int, int, int]:
+            generation = self.client.generate(ids, params, generation_rid(f"bench-{uuid.uuid4().hex}"))
+            return generation.completion_tokens, generation.prompt_tokens, generation.cached_tokens
 
+        return self._parallel(prompts, one)
 
-def converse(
-    url: str,
-    conversations: Sequence[list[list[int]]],
-    params: GenerationParams,
-    concurrency: int,
-    namespaces: bool,
-) -> Run:
-    """Each conversation turn by turn: its next user message appended to everything so far, then a turn
-    generated and appended too (what regenerating every assistant turn asks of the engine)."""
-    client = EngineClient(url, timeout=1800)
+    def converse(
+        self, conversations: Sequence[list[list[int]]], params: GenerationParams, namespaces: bool
+    ) -> Run:
+        """Each conversation turn by turn: its next user message appended to everything so far, then a turn
+        generated and appended too (what regenerating every assistant turn asks of the engine)."""
 
-    def one(item: tuple[int, list[list[int]]]) -> tuple[int, int, int]:
-        number, user_turns = item
-        key = f"regen-bench-{number}-{uuid.uuid4().hex[:8]}" if namespaces else None
-        ids: list[int] = []
-        generated = prompt = cached = 0
-        for turn, user in enumerate(user_turns):
-            ids += user
-            rid = generation_rid(f"conv-{number}-{turn}-{uuid.uuid4().hex[:8]}")
-            generation = client.generate(ids, params, rid, extra_key=key)
-            ids += generation.output_ids
-            generated += generation.completion_tokens
-            prompt += generation.prompt_tokens
-            cached += generation.cached_tokens
-        return generated, prompt, cached
+        def one(item: tuple[int, list[list[int]]]) -> tuple[int, int, int]:
+            number, user_turns = item
+            key = f"regen-bench-{number}-{uuid.uuid4().hex[:8]}" if namespaces else None
+            ids: list[int] = []
+            generated = prompt = cached = 0
+            for turn, user in enumerate(user_turns):
+                ids += user
+                rid = generation_rid(f"conv-{number}-{turn}-{uuid.uuid4().hex[:8]}")
+                generation = self.client.generate(ids, params, rid, extra_key=key)
+                ids += generation.output_ids
+                generated += generation.completion_tokens
+                prompt += generation.prompt_tokens
+                cached += generation.cached_tokens
+            return generated, prompt, cached
 
-    try:
-        return _parallel(list(enumerate(conversations)), concurrency, one)
-    finally:
-        client.close()
+        return self._parallel(list(enumerate(conversations)), one)
 
 
 def start_engine(stack: Stack, backend: str, cache: bool, name: str) -> str:
@@ -197,12 +195,19 @@ def tokenizer_of(engine_url: str) -> Any | None:
 def part_client(
     url: str, prompts: list[list[int]], params: GenerationParams, args: argparse.Namespace
 ) -> dict[str, Any]:
-    generate_plain(url, prompts[: max(1, args.concurrency)], params, args.concurrency)  # warm-up
+    driver = Driver(url, args.concurrency)
+    driver.plain(prompts[: args.concurrency], params)  # warm-up: connections, the engine's first batches
+    driver.hsx(prompts[: args.concurrency], params)
     plain: list[Run] = []
     hsx: list[Run] = []
-    for _ in range(args.rounds):
-        plain.append(generate_plain(url, prompts, params, args.concurrency))
-        hsx.append(generate_hsx(url, prompts, params, args.concurrency))
+    for number in range(args.rounds):
+        # The order turns every round: a machine whose load drifts favours neither side.
+        if number % 2:
+            hsx.append(driver.hsx(prompts, params))
+        plain.append(driver.plain(prompts, params))
+        if not number % 2:
+            hsx.append(driver.hsx(prompts, params))
+    driver.close()
     plain_rate, hsx_rate = mean([r.rate for r in plain]), mean([r.rate for r in hsx])
     return {
         "prompts": len(prompts),
@@ -212,6 +217,7 @@ def part_client(
         "hsx_client_tok_s": round(hsx_rate, 1),
         "plain_tok_s": round(plain_rate, 1),
         "ratio": round(hsx_rate / plain_rate, 3),
+        "rounds_hsx_plain": [[round(h.rate, 1), round(p.rate, 1)] for h, p in zip(hsx, plain, strict=True)],
     }
 
 
@@ -248,8 +254,9 @@ def part_job(
     stack.engine_url = url
     stack.start_api()
     stack.start_workers(args.processes)
-    generate_plain(url, prompts[:in_flight], plain_params, in_flight)  # warm-up
-    before = generate_plain(url, prompts, plain_params, in_flight)
+    driver = Driver(url, in_flight)
+    driver.plain(prompts[:in_flight], plain_params)  # warm-up
+    before = driver.plain(prompts, plain_params)
     say(f"job: plain {before.rate:,.1f} generated tok/s; running the regenerate job")
     regenerate: dict[str, Any] = {
         "turns": "last",
@@ -264,7 +271,8 @@ def part_job(
     doc = stack.wait(job_id, timeout=args.job_timeout)
     if doc["state"] != "succeeded":
         raise SystemExit(f"regenerate job {doc['state']}: {doc.get('error')}")
-    after = generate_plain(url, prompts, plain_params, in_flight)
+    after = driver.plain(prompts, plain_params)
+    driver.close()
     seconds = _seconds(doc["finished_at"]) - _seconds(doc["started_at"])
     progress, regen = doc["progress"], doc.get("regenerate") or {}
     generated = int(regen.get("generated_tokens", 0))
@@ -299,12 +307,19 @@ def part_cache(
         [rng.integers(3, vocab, size=args.user_tokens).tolist() for _ in range(args.turns)]
         for _ in range(args.conversations)
     ]
-    converse(capture_url, conversations[:1], params, 1, namespaces=False)  # warm-up
+    capture, cached = Driver(capture_url, args.concurrency), Driver(cache_url, args.concurrency)
+    capture.converse(conversations[:1], params, namespaces=False)  # warm-up
+    cached.converse(conversations[:1], params, namespaces=True)
     off: list[Run] = []
     on: list[Run] = []
-    for _ in range(args.rounds):
-        off.append(converse(capture_url, conversations, params, args.concurrency, namespaces=False))
-        on.append(converse(cache_url, conversations, params, args.concurrency, namespaces=True))
+    for number in range(args.rounds):
+        if number % 2:
+            on.append(cached.converse(conversations, params, namespaces=True))
+        off.append(capture.converse(conversations, params, namespaces=False))
+        if not number % 2:
+            on.append(cached.converse(conversations, params, namespaces=True))
+    capture.close()
+    cached.close()
     off_rate, on_rate = mean([r.rate for r in off]), mean([r.rate for r in on])
     return {
         "conversations": args.conversations,

@@ -55,13 +55,18 @@ PY
 fi
 say "model ready"
 
-ENGINE_ARGS=(--model-path $MODEL --attention-backend triton --sampling-backend pytorch --grammar-backend none
-  --skip-tokenizer-init --load-format dummy --mem-fraction-static 0.40)
+ENGINE_ARGS=(--model-path $MODEL --dtype bfloat16 --attention-backend triton --sampling-backend pytorch
+  --grammar-backend none --skip-tokenizer-init --load-format dummy)
 [ "$SEEDED" = 1 ] && ENGINE_ARGS+=(--enable-deterministic-inference)
-# One after the other: each takes its share of the memory that is free when it starts.
-start_engine() {  # port, dump dir, extra args...
-  local port=$1 dumps=$2; shift 2
-  setsid python3 -m workers.engines.sglang.launcher "${ENGINE_ARGS[@]}" --port $port --dump-dir $dumps "$@" \
+# GRAPHS=1 keeps SGLang's decode CUDA graphs (production's setting; their capture costs start-up time); the
+# default leaves them out, as run_bench_e2e.sh does. Both baselines run on the same engines either way.
+[ "${GRAPHS:-0}" = 1 ] || ENGINE_ARGS+=(--disable-cuda-graph)
+# One after the other, with rising fractions: --mem-fraction-static caps what the whole GPU holds when a
+# server starts, the servers already there included (scripts/device/drafter_proof.sh found the same).
+start_engine() {  # port, dump dir, memory fraction, extra args...
+  local port=$1 dumps=$2 fraction=$3; shift 3
+  setsid python3 -m workers.engines.sglang.launcher "${ENGINE_ARGS[@]}" --port $port --dump-dir $dumps \
+    --mem-fraction-static $fraction "$@" \
     > "$OUT/logs/server-$port.log" 2>&1 &
   PIDS+=($!)
   for i in $(seq 1 300); do
@@ -71,8 +76,8 @@ start_engine() {  # port, dump dir, extra args...
   curl -sf localhost:$port/hsx/info > "$OUT/logs/info-$port.json" || { say "engine $port failed"; tail -40 "$OUT/logs/server-$port.log"; exit 1; }
 }
 PIDS=()
-start_engine 30000 /dev/shm/hsx-dumps --disable-radix-cache   # the capture engine
-start_engine 30001 /dev/shm/hsx-dumps-cache                   # the same model, its radix cache on
+start_engine 30000 /dev/shm/hsx-dumps 0.40 --disable-radix-cache   # the capture engine
+start_engine 30001 /dev/shm/hsx-dumps-cache 0.80                    # the same model, its radix cache on
 say "engines up"
 
 export HSX_BENCH_LOGS="$OUT/logs"
