@@ -3,12 +3,14 @@
 Everything is read at scrape time, so any number of API replicas answer the same:
 
 * the job table: jobs by state, samples done and rejected (by reason), tokens and tokens/s of running
-  jobs, work units by state, live leases, shards and their bytes;
+  jobs (and the tokens/s generated for running regenerate jobs), work units by state, live leases, shards
+  and their bytes;
 * RQ: queue depth, wake-ups that failed (their function raised) apart from those cut short (their work
   horse or worker died: the job table counts those units' horse deaths and their leases end; the queue
   itself lost nothing), and registered workers;
 * what the workers pushed through Redis (:mod:`hsx.telemetry`): engine request latency and dump wait
-  (histograms), bytes written, truncations, sample retries, engine errors, units by outcome.
+  (histograms), bytes written, truncations, sample retries, engine errors, units by outcome, tokens
+  generated.
 
 A source that cannot be read is reported as ``hsx_scrape_error{source=...} 1`` and its metrics are left out
 (an absent series, not a false zero), so a database outage does not also hide the queue.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -40,6 +42,7 @@ from hsx import telemetry
 from hsx.db.models import Job
 from hsx.jobs import queries
 from hsx.jobs.queue import queue_for, redis_connection
+from hsx.regenerate import repository as regen_repo
 from hsx.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,7 @@ class ActiveJob:
     samples_handled: int
     tokens: int
     started_at: datetime | None
+    generated_tokens: int = 0  # a regenerate job's: tokens generated for its kept texts
 
     @classmethod
     def of(cls, job: Job) -> ActiveJob:
@@ -110,7 +114,9 @@ def take_snapshot(session: Session, settings: Settings) -> Snapshot:
     snap = Snapshot(errors={"database": False, "redis": False})
     try:
         snap.totals = queries.totals(session, time.time())
-        snap.active = [ActiveJob.of(job) for job in queries.active_jobs(session)]
+        active = [ActiveJob.of(job) for job in queries.active_jobs(session)]
+        generated = regen_repo.generated_tokens_by_job(session, [job.id for job in active])
+        snap.active = [replace(job, generated_tokens=generated.get(job.id, 0)) for job in active]
     except Exception as exc:  # noqa: BLE001 - a scrape reports a broken source, it does not fail
         log.warning("metrics: database unreadable: %s", exc.__class__.__name__)
         snap.errors["database"] = True
@@ -133,11 +139,13 @@ def take_snapshot(session: Session, settings: Settings) -> Snapshot:
     return snap
 
 
-def tokens_per_second(active: list[ActiveJob], now: datetime) -> float:
+def tokens_per_second(active: list[ActiveJob], now: datetime, generated: bool = False) -> float:
+    """Captured (or, with ``generated``, generated) tokens per second of the running jobs, summed."""
     rate = 0.0
     for job in active:
         if job.state == "running" and job.started_at is not None:
-            rate += job.tokens / max((now - job.started_at).total_seconds(), 1e-6)
+            tokens = job.generated_tokens if generated else job.tokens
+            rate += tokens / max((now - job.started_at).total_seconds(), 1e-6)
     return rate
 
 
@@ -189,6 +197,12 @@ class SnapshotCollector(Collector):
             "hsx_tokens_per_second",
             "Tokens per second of running jobs, each since it started, summed.",
             tokens_per_second(active, datetime.now(timezone.utc)),
+        )
+        yield GaugeMetricFamily(
+            "hsx_generated_tokens_per_second",
+            "Tokens per second generated for the kept texts of running regenerate jobs, each since it "
+            "started, summed.",
+            tokens_per_second(active, datetime.now(timezone.utc), generated=True),
         )
         progress = GaugeMetricFamily(
             "hsx_job_progress_ratio", "Handled / total samples of queued and running jobs.", labels=["job_id"]

@@ -160,6 +160,16 @@ def _post_job(api: Any, path: str, body: dict[str, Any] | None, args: argparse.N
     return ui.exit_code_for_state(doc.get("state"), waiting=True) if args.wait else ui.EXIT_SUCCEEDED
 
 
+def cmd_regenerated(args: argparse.Namespace) -> int:
+    from hsx import cli_progress as ui
+    from hsx.regenerate.download import run
+
+    try:
+        return run(_api(args.api_url), args.job_id, args.output)
+    except ui.ApiError as exc:
+        return ui.print_error(exc, True)
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
     from hsx import cli_progress as ui
 
@@ -251,7 +261,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-BENCHES = ("pipeline", "e2e", "memory", "api", "scale", "submit", "stream", "fp8", "fp8_error")
+BENCHES = ("pipeline", "e2e", "memory", "api", "scale", "submit", "stream", "fp8", "fp8_error", "regenerate")
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -351,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_retry)
+
+    p = sub.add_parser("regenerated", help="download a regenerate job's regenerated dataset (JSONL)")
+    p.add_argument("job_id")
+    p.add_argument("-o", "--output", help="file to write (default: stdout)")
+    p.add_argument("--api-url", default=settings.api_url)
+    p.set_defaults(func=cmd_regenerated)
 
     p = sub.add_parser("status", help="show a job")
     p.add_argument("job_id")

@@ -127,16 +127,24 @@ def fmt_rejections(reasons: dict[str, int]) -> str:
     return f"{sum(reasons.values())} rejected ({parts})"
 
 
+def fmt_rate(rate: float | None) -> str:
+    return "- tok/s" if rate is None else f"{rate:,.0f} tok/s"
+
+
 def bar_fields(doc: dict[str, Any], units: dict[str, Any] | None) -> dict[str, Any]:
     p = doc.get("progress", {})
     rate = p.get("tokens_per_second")
     busy = f"units {p.get('units_done', 0)}/{p.get('units_total', 0)}"
     if units is not None:
         busy += f", {units.get('leased', 0)} leased, {units.get('workers_busy', 0)} workers busy"
+    shown = "- tok/s" if rate is None else f"{rate:,.0f} tok/s"
+    regenerate = doc.get("regenerate")
+    if regenerate:  # generation and capture are two rates: a job is held back by one or the other
+        shown = f"generated {fmt_rate(regenerate.get('generated_tokens_per_second'))}, captured {shown}"
     return {
         "state": doc.get("state", "?"),
         "samples": f"{p.get('samples_done', 0) + p.get('samples_rejected', 0)}/{p.get('samples_total', 0)}",
-        "rate": "- tok/s" if rate is None else f"{rate:,.0f} tok/s",
+        "rate": shown,
         "eta": fmt_eta(p.get("eta_seconds")),
         "rejected": fmt_rejections(doc.get("rejections", {})),
         "units": busy,
@@ -273,6 +281,15 @@ def job_table(doc: dict[str, Any]) -> Table:
     )
     rate = p.get("tokens_per_second")
     table.add_row("tokens", f"{p.get('tokens', 0):,}" + ("" if rate is None else f" ({rate:,.1f} tok/s)"))
+    regenerate = doc.get("regenerate")
+    if regenerate:
+        table.add_row(
+            "generated",
+            f"{regenerate.get('generated_tokens', 0):,} tokens "
+            f"({fmt_rate(regenerate.get('generated_tokens_per_second'))}) in "
+            f"{regenerate.get('samples_regenerated', 0)} samples, "
+            f"{regenerate.get('turns_at_length', 0)} turns at max_new_tokens",
+        )
     if doc.get("state") in ("queued", "running"):
         table.add_row("eta", fmt_eta(p.get("eta_seconds")))
     table.add_row("rejections", fmt_rejections(doc.get("rejections", {})))

@@ -6,7 +6,8 @@ API imports it without torch.
 Request: SGLang's native ``POST /generate`` with ``input_ids``, ``rid``, ``sampling_params`` (and optionally
 ``extra_key``, SGLang's cache namespace). Response: ``meta_info.prompt_tokens`` and
 ``meta_info.cached_tokens``. Only requests whose rid starts with :data:`RID_PREFIX` are captured; everything
-else (health checks, warm-up) is served but never dumped.
+else (health checks, warm-up, regeneration's generations: hsx/regenerate/engine_contract.py) is served but
+never dumped.
 
 Dump: a directory ``<dump_dir>/<rid>/`` holding :data:`STATES_FILE` (safetensors: ``input_ids`` int32 [T]
 and one ``hidden.<hf_index>`` tensor [T, H] per captured layer) and :data:`META_FILE`. ``meta.json`` is
@@ -173,26 +174,6 @@ def generate_body(input_ids: Sequence[int], rid: str, extra_key: str | None = No
     if extra_key is not None:
         body["extra_key"] = extra_key
     return body
-
-
-def prefill_reply(
-    rid: str, prompt_tokens: int, cached_tokens: int, output_id: int, started: float
-) -> dict[str, Any]:
-    """The ``/generate`` answer of the hsx engines, shaped like SGLang's (``started``: ``time.monotonic()``
-    when the request arrived)."""
-    import time
-
-    return {
-        "output_ids": [output_id],
-        "meta_info": {
-            "id": rid,
-            "prompt_tokens": prompt_tokens,
-            "cached_tokens": cached_tokens,
-            "completion_tokens": 1,
-            "finish_reason": {"type": "length", "length": 1},
-            "e2e_latency": time.monotonic() - started,
-        },
-    }
 
 
 # --- safetensors, through the one codec in hsx.safetensors_io (no pickle, no torch) -----------------

@@ -1,4 +1,5 @@
-"""The worker's side of the engine protocol: prefill requests over HTTP (dumps are read by hsx.dumps).
+"""The worker's side of the engine protocol: prefill requests over HTTP (dumps are read by hsx.dumps), and
+the generations of regeneration (hsx.regenerate.engine_contract).
 
 No torch here: the API process (through :mod:`hsx.verify`) uses this too.
 """
@@ -12,6 +13,8 @@ import httpx
 
 from hsx import contract
 from hsx.errors import HsxError, ReasonError
+from hsx.regenerate import engine_contract
+from hsx.regenerate.engine_contract import Generation, GenerationParams
 from hsx.retry import engine_policy
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
@@ -127,6 +130,32 @@ class EngineClient:
         if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict):
             raise EngineUnfit(f"/generate answered without meta_info: {str(reply)[:200]}")
         return reply
+
+    def generate(
+        self, input_ids: Sequence[int], params: GenerationParams, rid: str, extra_key: str | None = None
+    ) -> Generation:
+        """``POST /generate`` continuing one prompt (``rid``: a generation rid, never a captured one).
+
+        Errors are the prefill's: :class:`EngineRejected` when the engine refuses this request (a 4xx) or
+        aborts it (reason ``generation_aborted``): the sample's, not the engine's; :class:`EngineUnfit`
+        for a route no request could use or a reply that breaks the contract; :class:`EngineUnavailable`
+        (and :class:`EngineTimeout`, never resent) when it does not answer. Thread-safe, like
+        :meth:`prefill`: callers keep several in flight from a pool.
+        """
+        ids = [int(token) for token in input_ids]
+        body = engine_contract.generate_body(ids, params, rid, extra_key)
+        try:
+            reply = self._request("POST", "/generate", json=body)
+        except EngineRejected as exc:
+            if exc.status in ENGINE_LEVEL_STATUSES:
+                raise EngineUnfit(f"{self.base_url}/generate answered HTTP {exc.status}: {exc}") from exc
+            raise
+        try:
+            return engine_contract.parse_reply(reply, len(ids), params)
+        except engine_contract.GenerationAborted as exc:
+            raise EngineRejected("generation_aborted", 200, exc.message) from exc
+        except engine_contract.GenerationReplyError as exc:
+            raise EngineUnfit(f"{self.base_url}/generate broke the generation contract: {exc}") from exc
 
     def alive(self) -> bool:
         """Whether the engine answers ``/hsx/info`` now (after the usual retries)."""

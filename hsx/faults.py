@@ -19,12 +19,15 @@ POINTS = (
 )
 
 
+# A regenerate job's unit: its generated conversations are durable, its capture has not started.
+REGENERATE_POINTS = ("after_regenerate_durable",)
+
 # Beyond a unit: finalization, between an output's first object and its manifest in the object store.
 PUBLISH_POINTS = ("mid_publish",)
 
 
 def crash_point(name: str) -> None:
-    assert name in POINTS or name in PUBLISH_POINTS, name
+    assert name in POINTS or name in PUBLISH_POINTS or name in REGENERATE_POINTS, name
     wanted = os.environ.get("HSX_CRASH_AT", "")
     if not wanted or wanted != name:
         return

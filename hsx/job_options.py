@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # The retention modes (docs/streaming.md): defined with the option, so the jobs and the stream code both
 # read them from here.
@@ -22,6 +22,36 @@ CONSUME: Retention = "consume"
 
 RecordFormat = Literal["auto", "messages", "sharegpt"]
 Truncation = Literal["truncate", "reject"]
+
+
+class RegenerateOptions(BaseModel):
+    """Regenerate the assistant turns with the job's own engine before capture (docs/regenerate.md)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    turns: Literal["all", "last"] = Field(
+        "all",
+        description="Which assistant turns to rewrite: every one, or the last. A turn that calls tools is "
+        "kept as it is; a row that ends on a user or tool turn gets its answer generated.",
+    )
+    max_new_tokens: int = Field(512, ge=1, le=32768, description="The most tokens generated for one turn.")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=2**31 - 1,
+        description="Each turn samples with a seed derived from this, its sample and turn.",
+    )
+    thinking: bool | None = Field(
+        None,
+        description="For templates that have it (enable_thinking): on or off. Unset: the template's default.",
+    )
+    on_length: Literal["keep", "drop"] = Field(
+        "keep",
+        description="A turn that stopped on max_new_tokens: keep the sample (counted), or reject it as "
+        "generation_length.",
+    )
 
 
 class JobOptions(BaseModel):
@@ -74,12 +104,23 @@ class JobOptions(BaseModel):
         "HSX_STREAM_BUFFER_CAP_BYTES, fixed at submission.",
     )
 
+    regenerate: RegenerateOptions | None = Field(
+        None, description="Off unless given: rewrite the assistant turns with the target model first."
+    )
+
     @field_validator("aux_layers")
     @classmethod
     def _distinct_non_negative(cls, value: list[int] | None) -> list[int] | None:
         if value is not None and (len(set(value)) != len(value) or min(value) < 0):
             raise ValueError("aux_layers must be distinct non-negative layer ids")
         return value
+
+    @model_validator(mode="after")
+    def _regenerate_needs_template(self) -> JobOptions:
+        if self.regenerate is not None and not self.chat_template:
+            # The generation prompt of each turn is the template's: without one there is nothing to continue.
+            raise ValueError("regenerate needs chat_template=true (each turn is continued from the template)")
+        return self
 
     @classmethod
     def from_stored(cls, raw: Mapping[str, Any] | None, samples_per_shard: int | None = None) -> JobOptions:

@@ -66,7 +66,14 @@ def test_the_setup_block_is_quiet_on_a_fresh_clone(tmp_path: Path) -> None:
 
 def test_the_walkthrough_uses_curl_for_each_step() -> None:
     script = walkthrough()
-    for step in ('-X POST "$API/jobs"', '"$API/jobs/$JOB"', "/shards?", "/rejections?", '"$API/verify"'):
+    for step in (
+        '-X POST "$API/jobs"',
+        '"$API/jobs/$JOB"',
+        "/shards?",
+        "/rejections?",
+        '"$API/verify"',
+        "/regenerated",
+    ):
         assert step in script, step
     assert all(
         line.startswith(("curl", "JOB=$(curl", "until curl", "#", " ", "|")) for line in script.splitlines()
@@ -98,7 +105,9 @@ def test_readme_curl_walkthrough_runs_as_written(stack: Stack) -> None:
             timeout=300,
         )
     assert done.returncode == 0, (done.stdout, done.stderr, stack.logs())
-    doc, shards, rejections, verify = (json.loads(line) for line in done.stdout.splitlines() if line.strip())
+    doc, shards, rejections, verify, regenerated_doc, *regenerated = (
+        json.loads(line) for line in done.stdout.splitlines() if line.strip()
+    )
 
     assert doc["state"] == "succeeded", (doc, stack.logs())
     total = sum(1 for line in SHORT.read_text().splitlines() if line.strip())
@@ -111,3 +120,17 @@ def test_readme_curl_walkthrough_runs_as_written(stack: Stack) -> None:
     assert all(len(s["sha256"]) == 64 and Path(s["path"]).is_file() for s in shards["items"])
     assert rejections["total"] == 0 and rejections["items"] == []
     assert verify["ok"] is True and verify["checks"]
+
+    # The regenerate job: every row's last answer rewritten, captured, and listed in the download.
+    assert regenerated_doc["state"] == "succeeded", (regenerated_doc, stack.logs())
+    regen = regenerated_doc["regenerate"]
+    assert regenerated_doc["options"]["regenerate"]["max_new_tokens"] == 16
+    assert (
+        regen["samples_regenerated"]
+        == regenerated_doc["progress"]["samples_done"]
+        == total
+        == len(regenerated)
+    )
+    assert 0 < regen["generated_tokens"] <= 16 * total and regen["turns_generated"] == total
+    assert [line["sample_index"] for line in regenerated] == list(range(total))
+    assert all(line["messages"][-1]["role"] == "assistant" and line["input_ids"] for line in regenerated)

@@ -118,7 +118,9 @@ def test_uncaptured_requests_leave_no_dump(engine_cache: RunningEngine) -> None:
     before = sorted(os.listdir(engine_cache.dump_dir))
     reply = engine_cache.client.prefill(unique_prompt(5), "warmup-1")
     assert reply["meta_info"]["id"] == "warmup-1"
-    response = httpx.post(f"{engine_cache.url}/generate", json={"input_ids": unique_prompt(4)}, timeout=60)
+    # No rid; one new token (left out, max_new_tokens is SGLang's 128, and the engine would generate them).
+    body = {"input_ids": unique_prompt(4), "sampling_params": {"max_new_tokens": 1}}
+    response = httpx.post(f"{engine_cache.url}/generate", json=body, timeout=60)
     assert response.status_code == 200
     assert httpx.get(f"{engine_cache.url}/health_generate", timeout=60).status_code == 200
     assert sorted(os.listdir(engine_cache.dump_dir)) == before

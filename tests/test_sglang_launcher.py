@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from hsx import contract
+from hsx.regenerate import engine_contract
 from workers.engines.sglang import launcher
 from workers.engines.sglang.config import (
     ENV_FINAL_STATE,
@@ -20,7 +21,7 @@ from workers.engines.sglang.config import (
     parse_release,
     version_problem,
 )
-from workers.engines.sglang.guards import DISABLE_FUSION_FLAG
+from workers.engines.sglang.guards import DISABLE_FUSION_FLAG, argv_problems
 from workers.engines.sglang.launch_args import engine_extra, launch_problems, sglang_argv, split_args
 
 
@@ -168,8 +169,21 @@ def test_hsx_info_records_the_final_state_and_the_engine_facts(final_state: str)
         "attention_backend": "triton",
         "flashinfer_allreduce_fusion_backend": None,
         "disable_radix_cache": True,
+        "seeded_sampling": False,
     }
     assert contract.EngineInfo.from_dict(raw) == info
+
+
+def test_deterministic_inference_is_let_through_and_makes_the_seed_count() -> None:
+    """Regeneration's seed reaches SGLang's sampler only under --enable-deterministic-inference: the
+    launcher passes the flag on, refuses nothing for it, and /hsx/info says the seed is honoured."""
+    ns, rest = split_args(["--model-path", "/m", "--enable-deterministic-inference"])
+    assert "--enable-deterministic-inference" in sglang_argv(ns, rest)
+    assert argv_problems(rest) == []
+    server_args = fake_server_args(enable_deterministic_inference=True)
+    assert launch_problems(server_args, env={}) == []
+    info, _ = launcher.build_info(ns, server_args, "/dumps", "0.5.17")
+    assert info.extra[engine_contract.SEEDED_SAMPLING] is True
 
 
 def test_bad_aux_layers_are_refused() -> None:

@@ -6,6 +6,7 @@ from array import array
 from typing import Any
 
 from hsx import contract
+from hsx.regenerate.engine_contract import generation_rid
 from workers.engines.sglang.planning import Planner, ReqState
 
 
@@ -103,6 +104,20 @@ def test_decode_rows_in_a_mixed_batch_are_skipped() -> None:
     fresh = Req("hsx-new", 2)
     plan = p.plan([fresh, done], [0, 3], [2, 1])
     assert plan is not None and [x.rid for x in plan.pieces] == ["hsx-new"] and plan.batch_rows == 3
+
+
+def test_generation_requests_are_never_planned_whatever_their_rows() -> None:
+    """Regeneration's requests share batches with captures: their prompts, their decode rows in a mixed
+    batch and the re-prefill of a retracted one (prompt and output so far) are all passed over."""
+    p, rec = planner()
+    prompt, decoding, retracted = (Req(generation_rid(f"s{i}-t1"), 6, 500 + 50 * i) for i in range(3))
+    captured = Req("hsx-a", 3)
+    plan = p.plan([prompt, captured, decoding, retracted], [0, 0, 10, 0], [6, 3, 1, 14])
+    assert plan is not None and plan.batch_rows == 24 and plan.rows == 3
+    assert plan.spans == [[6, 3, 0]] and [x.rid for x in plan.pieces] == ["hsx-a"]
+    assert p.plan([prompt, decoding], [0, 10], [6, 1]) is None
+    assert rec.metas == ["hsx-a"] and not rec.drops and not p.partials
+    assert not any(hasattr(r, "_hsx_cap") for r in (prompt, decoding, retracted))
 
 
 def test_a_prefill_restarted_at_another_offset_drops_the_partial_and_starts_again() -> None:

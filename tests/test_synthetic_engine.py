@@ -6,18 +6,21 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 
 from hsx import contract
 from hsx.dumps import read_dump
 from hsx.engine_client import EngineClient
 from hsx.local_stack import free_port, hsx_command, local_stack, wait_http
+from hsx.regenerate import engine_contract
+from hsx.regenerate.engine_contract import GenerationParams, generation_rid
 from hsx.safetensors_io import read_file
 from tests.fixtures.dump_checks import validate_dump
 from workers.engines.synthetic.engine import (
@@ -26,6 +29,7 @@ from workers.engines.synthetic.engine import (
     expected_state,
     pattern_table,
 )
+from workers.engines.synthetic.server import create_app
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HIDDEN, LAYERS = 32, 8
@@ -209,3 +213,86 @@ def test_cli_refuses_a_bad_configuration(tmp_path: Path, args: list[str]) -> Non
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip()
+
+
+# --- generation (hsx.regenerate.engine_contract) -------------------------------------------------------
+
+
+def test_a_generation_is_answered_through_the_client_and_leaves_no_dump(server: Server) -> None:
+    before = set(os.listdir(server.dump_dir))
+    prompt = [5, 9, 400, 1234]
+    greedy = GenerationParams(max_new_tokens=200)
+    first = server.client.generate(prompt, greedy, generation_rid("synthetic-greedy-1"))
+    again = server.client.generate(prompt, greedy, generation_rid("synthetic-greedy-2"))
+    assert first == again  # greedy: a function of the prompt
+    assert (first.prompt_tokens, first.cached_tokens, first.finish_reason) == (len(prompt), 0, "stop")
+    assert first.output_ids[-1] == 2 and 2 not in first.output_ids[:-1]
+    assert all(3 <= token < 49152 for token in first.output_ids[:-1])
+    assert len(first.output_ids) == 39  # what this prompt "wants"; a lower max_new_tokens cuts it: "length"
+    short = server.client.generate(prompt, GenerationParams(max_new_tokens=10), generation_rid("short"))
+    assert short.finish_reason == "length" and short.output_ids == first.output_ids[:10]
+    other = server.client.generate([5, 9, 400, 1235], greedy, generation_rid("synthetic-greedy-3"))
+    assert other.output_ids != first.output_ids
+    assert set(os.listdir(server.dump_dir)) == before
+
+
+def test_sampling_follows_the_seed_and_differs_without_one(server: Server) -> None:
+    prompt = [11, 12, 13]
+    seeded = GenerationParams(max_new_tokens=300, temperature=0.8, top_p=0.9, seed=42)
+    one = server.client.generate(prompt, seeded, generation_rid("seed-a"))
+    two = server.client.generate(prompt, seeded, generation_rid("seed-b"))
+    other_seed = server.client.generate(prompt, replace(seeded, seed=43), generation_rid("seed-c"))
+    assert one == two and one.output_ids != other_seed.output_ids
+    unseeded = replace(seeded, seed=None)
+    draws = {
+        tuple(server.client.generate(prompt, unseeded, generation_rid(f"u{i}")).output_ids) for i in range(3)
+    }
+    assert len(draws) == 3
+
+
+def test_stop_token_ids_are_never_generated_before_the_end(server: Server) -> None:
+    params = GenerationParams(
+        max_new_tokens=64, temperature=1.0, seed=1, stop_token_ids=tuple(range(3, 20000))
+    )
+    generation = server.client.generate([7, 8], params, generation_rid("stops"))
+    assert all(token >= 20000 for token in generation.output_ids[:-1])
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 4, "temperature": -1}, "temperature"),
+        ({"max_new_tokens": 4, "top_p": 0}, "top_p"),
+        ({"max_new_tokens": 4, "top_k": 5}, "top_k"),
+        ({"max_new_tokens": 4, "sampling_seed": "7"}, "seed"),
+        ({"max_new_tokens": 4, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_params_get_400_naming_the_field(
+    server: Server, sampling: dict[str, Any], field: str
+) -> None:
+    body = {"input_ids": [1, 2], "rid": "hsxgen-bad", "sampling_params": sampling}
+    reply = httpx.post(f"{server.url}/generate", json=body, timeout=10)
+    assert reply.status_code == 400 and field in reply.json()["detail"], reply.text
+
+
+def test_a_generation_past_the_context_is_a_rejection_of_the_sample(tmp_path: Path) -> None:
+    engine = SyntheticEngine(SyntheticConfig(hidden_size=HIDDEN, num_layers=LAYERS, dump_dir=str(tmp_path)))
+    with TestClient(create_app(engine)) as http:
+        body = {"input_ids": [1] * 10, "rid": "hsxgen-long", "sampling_params": {"max_new_tokens": 32759}}
+        reply = http.post("/generate", json=body)
+    assert reply.status_code == 400 and reply.json()["error"] == "too_long"
+
+
+def test_an_engine_that_ignores_the_seed_says_so_and_samples_anew(tmp_path: Path) -> None:
+    config = SyntheticConfig(hidden_size=HIDDEN, num_layers=LAYERS, dump_dir=str(tmp_path))
+    honouring, ignoring = (
+        SyntheticEngine(config),
+        SyntheticEngine(replace(config, honour_sampling_seed=False)),
+    )
+    assert honouring.info().extra[engine_contract.SEEDED_SAMPLING] is True
+    assert ignoring.info().extra[engine_contract.SEEDED_SAMPLING] is False
+    params = GenerationParams(max_new_tokens=500, temperature=1.0, seed=5)
+    assert honouring.generate([1, 2], params) == honouring.generate([1, 2], params)
+    assert ignoring.generate([1, 2], params) != ignoring.generate([1, 2], params)

@@ -62,7 +62,7 @@ class EncodedSample:
     truncated: bool
 
 
-def _overlaps(token: Span, span: Span) -> bool:
+def overlaps(token: Span, span: Span) -> bool:
     token_start, token_end = token
     start, end = span
     if token_start == token_end:  # zero-width tokens sit at a point
@@ -70,7 +70,7 @@ def _overlaps(token: Span, span: Span) -> bool:
     return token_start < end and token_end > start
 
 
-def _special_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     ids = {int(token_id) for token_id in tokenizer.all_special_ids}
     for token_id, token in tokenizer.added_tokens_decoder.items():
         if getattr(token, "special", False):
@@ -97,18 +97,18 @@ class ChatEncoder:
         self.use_chat_template = use_chat_template
         self.max_length = max_length
         self.template_kwargs = dict(template_kwargs or {})
-        self._special_ids = _special_token_ids(tokenizer)
+        self.special_ids = special_token_ids(tokenizer)
 
     def encode(self, messages: Sequence[ChatMessage] | Sequence[Mapping[str, Any]]) -> EncodedSample:
         """Token ids and loss mask of one conversation; raises :class:`EncodeError` for an unusable one."""
         conversation: list[Message] = [json.loads(json.dumps(dict(m))) for m in messages]
         if self.use_chat_template:
-            text = self._render(conversation, False)
-            input_ids, tokens = self._tokenize(text)
-            spans = TurnLocator(self._render, conversation, text, tokens).assistant_spans() if text else []
+            text = self.render(conversation, False)
+            input_ids, tokens = self.tokenize(text)
+            spans = TurnLocator(self.render, conversation, text, tokens).assistant_spans() if text else []
         else:
             text, spans = self._plain_spans(conversation)
-            input_ids, tokens = self._tokenize(text)
+            input_ids, tokens = self.tokenize(text)
         loss_mask = self._mask(tokens.offsets, spans)
         truncated = False
         if self.max_length is not None and len(input_ids) > self.max_length:
@@ -123,7 +123,7 @@ class ChatEncoder:
 
     # --- rendering ---------------------------------------------------------------------------------
 
-    def _render(self, conversation: list[Message], add_generation_prompt: bool = False) -> str:
+    def render(self, conversation: list[Message], add_generation_prompt: bool = False) -> str:
         try:
             rendered = self.tokenizer.apply_chat_template(
                 conversation,
@@ -155,13 +155,13 @@ class ChatEncoder:
             cursor += len(text)
         return "".join(pieces), spans
 
-    def _tokenize(self, text: str) -> tuple[list[int], TokenView]:
+    def tokenize(self, text: str) -> tuple[list[int], TokenView]:
         if not text:
             return [], TokenView(offsets=[], special=[])
         encoding = self.tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
         input_ids = [int(token) for token in encoding["input_ids"]]
         offsets: list[Span] = [(int(s), int(e)) for s, e in encoding["offset_mapping"]]
-        special = [token in self._special_ids for token in input_ids]
+        special = [token in self.special_ids for token in input_ids]
         return input_ids, TokenView(offsets=offsets, special=special)
 
     @staticmethod
@@ -173,7 +173,7 @@ class ChatEncoder:
         for position, token in enumerate(offsets):
             while span_index < len(spans) and spans[span_index][1] <= token[0]:
                 span_index += 1
-            if span_index < len(spans) and _overlaps(token, spans[span_index]):
+            if span_index < len(spans) and overlaps(token, spans[span_index]):
                 loss_mask[position] = 1
         return loss_mask
 

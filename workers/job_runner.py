@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ from hsx.jobs.publication import destination_of, publish_committed
 from hsx.jobs.queue import wake_idle_workers
 from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
+from hsx.regenerate.stage import record_stage
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
 from hsx.streams.contract import ClaimWait
@@ -50,6 +52,7 @@ from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
 from workers.lease import LeaseKeeper
+from workers.record_stage import RecordStage, UnitRecord
 from workers.shards import ShardWriteError
 from workers.unit_commit import commit_unit, staged_path
 from workers.unit_processor import UnitAborted, UnitProcessor, UnitResult
@@ -128,6 +131,7 @@ class JobRunner:
         self.gate = EngineGate(job_id, settings, settings.engine_url)
         # The identity this wake-up's preflight passed for (the job's start verifies before preparing).
         self._verified_identity: str | None = None
+        self._stage: RecordStage | None = None
 
     # --- job lifecycle -------------------------------------------------------------------------------
 
@@ -170,6 +174,14 @@ class JobRunner:
         if refusal is not None:
             return self._refused(refusal)
         processor = self._processor(info, job.options)
+        # A per-record stage before capture, when the job's options ask for one (regeneration).
+        self._stage = record_stage(
+            job.options,
+            self.db_url,
+            self.client,
+            lambda: self._chat_encoder(info, job.options).tokenizer,
+            self.settings.engine_concurrency,
+        )
         try:
             return self._unit_loop(job, processor, info, max_units)
         finally:
@@ -354,10 +366,15 @@ class JobRunner:
         staged = staged_path(job.output_dir, unit.unit_index, unit.attempt)
         try:
             with keeper:
-                records = read_unit_records(job.records_path, job.records_bytes, span, job.options.format)
-                processor.process(
-                    unit, (r for r in records if unit.holds(r[0])), staged, lambda: keeper.should_stop, result
+                # A regenerate job takes prompts with no answer yet: it generates one.
+                answered = job.options.regenerate is None
+                records = read_unit_records(
+                    job.records_path, job.records_bytes, span, job.options.format, answered
                 )
+                held: Iterable[UnitRecord] = (r for r in records if unit.holds(r[0]))
+                if self._stage is not None:
+                    held = self._stage.run(unit, held, lambda: keeper.should_stop)
+                processor.process(unit, held, staged, lambda: keeper.should_stop, result)
                 crash_point("mid_unit")
                 if keeper.should_stop:
                     # The shard is whole but will not be committed: it goes now, not at the reconciler's

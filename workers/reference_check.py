@@ -46,6 +46,16 @@ def reference_states(model_dir: str | Path, input_ids: Sequence[int]) -> tuple[t
     return tuple(state[0].float() for state in out.hidden_states)
 
 
+def transformers_greedy(model_dir: str | Path, input_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """The tokens transformers' own ``generate`` appends to ``input_ids``, greedy (eos ends it)."""
+    with _model_lock:
+        model = _load_model(str(model_dir))
+        ids = torch.tensor([list(input_ids)], dtype=torch.long)
+        with torch.inference_mode():
+            out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)  # type: ignore[operator]
+    return [int(token) for token in out[0, len(input_ids) :].tolist()]
+
+
 def compare_with_transformers(
     model_dir: str | Path, input_ids: Sequence[int], dump: Dump
 ) -> dict[int, float]:

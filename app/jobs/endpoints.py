@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
+from fastapi.responses import StreamingResponse
 
 from app.deps import SessionDep, SettingsDep
 from app.jobs import schemas
 from app.jobs.document_cache import DocumentCache
 from app.jobs.service import JobService, render_document
 from hsx.errors import UnsupportedMediaType
+from hsx.regenerate.export import MEDIA_TYPE
 from hsx.settings import Settings
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -126,6 +129,33 @@ def get_truncations(
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
 ) -> schemas.TruncationPage:
     return JobService(session, settings).truncations(job_id, limit, offset)
+
+
+@router.get(
+    "/{job_id}/regenerated",
+    response_class=StreamingResponse,
+    responses={**ERRORS, 200: {"content": {MEDIA_TYPE: {}}, "description": "One kept sample a line"}},
+)
+def get_regenerated(job_id: str, settings: SettingsDep) -> StreamingResponse:
+    """A regenerate job's regenerated dataset, as JSONL in the messages form POST /jobs accepts (with each
+    sample's id, token ids, loss mask and generation parameters); what is kept so far while it runs."""
+    from hsx.db.session import session_factory
+
+    session = session_factory(settings.resolved_database_url)()
+    try:
+        lines = JobService(session, settings).regenerated_lines(job_id)
+    except BaseException:
+        session.close()
+        raise
+
+    def body() -> Iterator[bytes]:
+        # The stream outlives the request's dependencies, so it holds a session of its own.
+        try:
+            yield from lines
+        finally:
+            session.close()
+
+    return StreamingResponse(body(), media_type=MEDIA_TYPE)
 
 
 @router.post("/{job_id}/retry", response_model=schemas.JobOut, responses=ERRORS)

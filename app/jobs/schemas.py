@@ -52,6 +52,20 @@ class Progress(BaseModel):
     in_flight: InFlight | None = Field(None, description="The part of the counts not committed yet.")
 
 
+class RegenerateProgress(BaseModel):
+    """A regenerate job's generation beside its capture: each with its own tokens and rate."""
+
+    samples_regenerated: int = Field(description="Samples whose regenerated text is kept (durable).")
+    samples_failed: int = Field(description="Samples that could not be regenerated (in the rejections).")
+    turns_generated: int
+    turns_at_length: int = Field(description="Generated turns that stopped on max_new_tokens.")
+    generated_tokens: int = Field(description="Tokens the engine generated for the kept samples.")
+    generated_tokens_per_second: float | None
+    captured_tokens: int = Field(description="Tokens of the samples captured into shards.")
+    captured_tokens_per_second: float | None
+    href: str = Field(description="The regenerated dataset as JSONL (GET it).")
+
+
 class ShardOut(BaseModel):
     path: str
     sha256: str
@@ -126,6 +140,9 @@ class JobOut(BaseModel):
     rejections: dict[str, int] = Field(description="Rejected samples counted by reason.")
     stream: StreamStatus | None = Field(
         None, description="A consume job, or one with consumers: buffered bytes, the cap, consumers."
+    )
+    regenerate: RegenerateProgress | None = Field(
+        None, description="A regenerate job: generated and captured tokens, each with its rate."
     )
     created_at: UtcDatetime
     started_at: UtcDatetime | None

@@ -9,6 +9,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from hsx.jobs.finalize import MANIFEST_NAME
 from hsx.jobs.publication import destination_of, new_destination
 from hsx.jobs.queue import enqueue_wakeups
 from hsx.jobs.repository import LiveCounts
+from hsx.regenerate import repository as regen_repo
+from hsx.regenerate.export import sample_line
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
 from hsx.validation import RETRIABLE_REASONS
@@ -205,11 +208,8 @@ class JobService:
         tokens = job.tokens_done + live.tokens
         handled = done + rejected
         rate = eta = None
-        if job.started_at is not None:
-            end = job.finished_at or datetime.now(timezone.utc)
-            started = job.started_at if job.started_at.tzinfo else job.started_at.replace(tzinfo=timezone.utc)
-            end = end if end.tzinfo else end.replace(tzinfo=timezone.utc)
-            elapsed = max((end - started).total_seconds(), 1e-6)
+        elapsed = _elapsed_seconds(job)
+        if elapsed is not None:
             rate = tokens / elapsed
             if job.state == JobState.running.value and handled:
                 eta = max(job.samples_total - handled, 0) * elapsed / handled
@@ -276,12 +276,14 @@ class JobService:
     def document(self, job: Job) -> schemas.JobOut:
         manifest = Path(job.output_dir) / MANIFEST_NAME
         first = queries.shard_page(self.session, job.id, SHARDS_IN_DOCUMENT, 0)
+        options = JobOptions.from_stored(job.options, self.settings.samples_per_shard)
+        progress = self.progress(job)
         return schemas.JobOut(
             id=job.id,
             state=job.state,
             dataset_uri=job.dataset_uri,
-            options=JobOptions.from_stored(job.options, self.settings.samples_per_shard),
-            progress=self.progress(job),
+            options=options,
+            progress=progress,
             error=job.error,
             output_dir=job.output_dir,
             manifest=str(manifest) if job.state == JobState.succeeded.value else None,
@@ -298,10 +300,39 @@ class JobService:
             ),
             rejections=queries.rejection_counts(self.session, job.id),
             stream=self.stream(job),
+            regenerate=self.regeneration(job, progress.tokens) if options.regenerate is not None else None,
             created_at=job.created_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
         )
+
+    def regeneration(self, job: Job, captured_tokens: int) -> schemas.RegenerateProgress:
+        """Generation and capture side by side: the generated tokens are those of the kept (durable) texts,
+        committed or not; the captured ones are the progress's tokens."""
+        totals = regen_repo.totals(self.session, job.id)
+        elapsed = _elapsed_seconds(job)
+
+        def rate(tokens: int) -> float | None:
+            return None if elapsed is None else round(tokens / elapsed, 1)
+
+        return schemas.RegenerateProgress(
+            samples_regenerated=totals.samples_kept,
+            samples_failed=totals.samples_failed,
+            turns_generated=totals.turns_generated,
+            turns_at_length=totals.turns_at_length,
+            generated_tokens=totals.generated_tokens,
+            generated_tokens_per_second=rate(totals.generated_tokens),
+            captured_tokens=captured_tokens,
+            captured_tokens_per_second=rate(captured_tokens),
+            href=f"/jobs/{job.id}/regenerated",
+        )
+
+    def regenerated_lines(self, job_id: str) -> Iterator[bytes]:
+        """The job's regenerated dataset as JSONL lines, in sample order (kept texts only)."""
+        job = self.get(job_id)
+        if JobOptions.from_stored(job.options).regenerate is None:
+            raise Conflict(f"job {job_id} does not regenerate its responses", error="not_regenerated")
+        return (sample_line(sample) for sample in regen_repo.kept_in_order(self.session, job.id))
 
     def stream(self, job: Job) -> StreamStatus | None:
         found = stream_service.status(self.session, job, self.settings, time.time())
@@ -323,6 +354,16 @@ def _shards_out(rows: list[Shard]) -> list[schemas.ShardOut]:
         schemas.ShardOut(path=s.path, sha256=s.sha256, bytes=s.bytes, samples=s.samples, tokens=s.tokens)
         for s in rows
     ]
+
+
+def _elapsed_seconds(job: Job) -> float | None:
+    """Seconds the job has run (to its end, once finished); None before it started."""
+    if job.started_at is None:
+        return None
+    end = job.finished_at or datetime.now(timezone.utc)
+    started = job.started_at if job.started_at.tzinfo else job.started_at.replace(tzinfo=timezone.utc)
+    end = end if end.tzinfo else end.replace(tzinfo=timezone.utc)
+    return max((end - started).total_seconds(), 1e-6)
 
 
 def render_document(settings: Settings, job_id: str) -> bytes:

@@ -165,6 +165,7 @@ async function loadJob(seq) {
   state.textContent = doc.state;
   state.className = "state " + doc.state;
   document.getElementById("job-error").textContent = doc.error || "";
+  drawRegenerate(doc.regenerate);
   drawStream(doc.stream);
   drawThroughput(document.getElementById("throughput-plot"), document.getElementById("throughput-summary"),
     doc, units.ok ? units.doc.items : [], serverNow(job));
@@ -184,6 +185,17 @@ async function loadJob(seq) {
     el("td", {}, u.attempt), el("td", {}, u.sample_start + "–" + (u.sample_end - 1)), el("td", {}, u.samples_done),
     el("td", {}, u.samples_rejected), el("td", { class: "mono", title: (u.worker || "") + "@" + (u.engine || "") }, u.worker || ""),
     el("td", {}, u.lease_seconds_left === null ? "" : fmtSeconds(u.lease_seconds_left)))));
+}
+
+// A regenerate job: generation and capture side by side, each with its rate (one of them holds the job back).
+function drawRegenerate(regen) {
+  const line = document.getElementById("job-regenerate");
+  line.hidden = !regen;
+  if (!regen) return;
+  const rate = (r) => (r === null ? "-" : r.toFixed(1)) + " tok/s";
+  line.textContent = `generated ${regen.generated_tokens} tokens (${rate(regen.generated_tokens_per_second)}) in ` +
+    `${regen.samples_regenerated} samples, ${regen.turns_at_length} turns at max_new_tokens · captured ` +
+    `${regen.captured_tokens} tokens (${rate(regen.captured_tokens_per_second)})`;
 }
 
 // A consume job (or one with consumers): bytes on disk (as the cap counts them) against the cap, and who holds what.

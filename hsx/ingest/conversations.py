@@ -180,7 +180,7 @@ def _optional_text(turn: dict[str, Any], key: str) -> str | None:
 
 
 def _normalize_turns(
-    turns: Any, role_key: str, content_key: str, roles: dict[str, str], label: str
+    turns: Any, role_key: str, content_key: str, roles: dict[str, str], label: str, answered: bool
 ) -> list[ChatMessage] | SampleError:
     if not isinstance(turns, list):
         return SampleError(WRONG_SHAPE, f"'{label}' is {type(turns).__name__}, expected a list")
@@ -192,13 +192,14 @@ def _normalize_turns(
         if isinstance(message, SampleError):
             return message
         messages.append(message)
-    if not any(message["role"] == "assistant" for message in messages):
+    if answered and not any(message["role"] == "assistant" for message in messages):
         return SampleError(NO_ASSISTANT_TURN, "the conversation has no assistant turn")
     return messages
 
 
-def normalize_record(record: Any, record_format: RecordFormat = "auto") -> RawSample:
-    """A parsed JSON record as a list of :class:`ChatMessage`, or why it cannot be one.
+def normalize_record(record: Any, record_format: RecordFormat = "auto", answered: bool = True) -> RawSample:
+    """A parsed JSON record as a list of :class:`ChatMessage`, or why it cannot be one. ``answered``: the
+    conversation must hold an assistant turn (a regenerate job takes prompts without one: it generates it).
 
     Accepted beyond plain strings: OpenAI's ``developer`` (read as system) and ``tool`` roles, content as a
     list of text parts, ``tool_calls`` (or the older ``function_call``) with null content, and the optional
@@ -209,10 +210,12 @@ def normalize_record(record: Any, record_format: RecordFormat = "auto") -> RawSa
     use_messages = record_format == "messages" or (record_format == "auto" and "messages" in record)
     use_sharegpt = record_format == "sharegpt" or (record_format == "auto" and "conversations" in record)
     if use_messages:
-        return _normalize_turns(record.get("messages"), "role", "content", _MESSAGES_ROLES, "messages")
+        return _normalize_turns(
+            record.get("messages"), "role", "content", _MESSAGES_ROLES, "messages", answered
+        )
     if use_sharegpt:
         return _normalize_turns(
-            record.get("conversations"), "from", "value", _SHAREGPT_ROLES, "conversations"
+            record.get("conversations"), "from", "value", _SHAREGPT_ROLES, "conversations", answered
         )
     keys = ", ".join(sorted(str(key) for key in record)[:8])
     return SampleError(UNKNOWN_FORMAT, f"no 'messages' or 'conversations' key (keys: {keys})")

@@ -132,8 +132,11 @@ RECORD_ID_MAX_CHARS = 200
 _ID_IN_TEXT = re.compile(rb'"(?:id|conversation_id)"\s*:\s*(?:"([^"\\]{1,200})"|(-?\d{1,30})\b)')
 
 
-def parse_record_with_id(line: bytes, record_format: RecordFormat = "auto") -> tuple[Record, str | None]:
-    """The record and its own ``id`` (or ``conversation_id``), when it has a string or integer one."""
+def parse_record_with_id(
+    line: bytes, record_format: RecordFormat = "auto", answered: bool = True
+) -> tuple[Record, str | None]:
+    """The record and its own ``id`` (or ``conversation_id``), when it has a string or integer one.
+    ``answered``: see :func:`normalize_record`."""
     try:
         record = json.loads(line)
     except (ValueError, RecursionError) as exc:
@@ -141,7 +144,7 @@ def parse_record_with_id(line: bytes, record_format: RecordFormat = "auto") -> t
     record_id = record_id_of(record)
     if isinstance(record, dict) and "input_ids" in record and record_format == "auto":
         return pretokenized(record), record_id
-    return normalize_record(record, record_format), record_id
+    return normalize_record(record, record_format, answered), record_id
 
 
 def record_id_of(record: Any) -> str | None:
@@ -194,8 +197,10 @@ def read_unit_records(
     expected_bytes: int | None,
     unit: UnitRange,
     record_format: RecordFormat = "auto",
+    answered: bool = True,
 ) -> Iterator[tuple[int, Record, str | None]]:
-    """Yield ``(index, record, record_id)`` for every sample of the unit, reading only the unit's bytes."""
+    """Yield ``(index, record, record_id)`` for every sample of the unit, reading only the unit's bytes
+    (``answered``: see :func:`normalize_record`)."""
     try:
         with open(records_path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
@@ -218,7 +223,7 @@ def read_unit_records(
             raise DatasetError(
                 DATASET_CHANGED, f"unit bytes hold more than {unit.sample_end - unit.sample_start} records"
             )
-        yield (index, *parse_record_with_id(line, record_format))
+        yield (index, *parse_record_with_id(line, record_format, answered))
         index += 1
     if index != unit.sample_end:
         raise DatasetError(

@@ -1,4 +1,10 @@
-"""The model, the prefix cache and the hidden-state capture of the reference engine."""
+"""The model, the prefix cache, the hidden-state capture and the generation of the reference engine.
+
+Every ``/generate`` runs the prompt forward (dumped when its rid is captured), then decodes up to
+``max_new_tokens`` tokens one forward at a time (:mod:`.sampling` picks them). A capture is a generation of
+one greedy token. Forwards are serialised one at a time, not whole requests: a long generation lets the
+captures and generations that arrive meanwhile take their turns between its tokens.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +27,9 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from hsx import contract
 from hsx.errors import ReasonError
 from hsx.model_identity import model_fingerprint
+from hsx.regenerate import engine_contract
+from hsx.regenerate.engine_contract import FinishReason, GenerationParams
+from workers.engines.reference.sampling import generator_for, model_eos_ids, next_token
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +61,18 @@ class EngineConfig:
     final_state: str = "post"
 
 
+# What a capture asks for: the prompt's forward and one greedy token (hsx.contract.generate_body).
+PREFILL = GenerationParams(max_new_tokens=1, temperature=0.0)
+
+
 @dataclass(frozen=True)
-class PrefillResult:
+class RequestResult:
     rid: str
-    output_id: int
+    output_ids: list[int]
+    finish_reason: FinishReason
     prompt_tokens: int
     cached_tokens: int
-    computed_tokens: int
+    computed_tokens: int  # prompt tokens computed (not taken from the prefix cache)
     dumped: bool
 
 
@@ -161,6 +175,7 @@ class ReferenceEngine:
         self._final_norm = _final_norm(self.model) if self.final_state != "post" else None
         self.prefix_cache = PrefixCache(config.max_cached_prompts) if config.prefix_cache else None
         self._cache_kwarg = _cache_kwarg_name(self.model)
+        self.eos_ids = model_eos_ids(self.model)
         self._forward_lock = threading.Lock()
         self._inflight_lock = threading.Lock()
         self._inflight: set[str] = set()
@@ -187,13 +202,27 @@ class ReferenceEngine:
             dump_dir=self.config.dump_dir,
             prefix_cache=self.prefix_cache is not None,
             final_state=self.final_state,
-            extra={contract.MODEL_FINGERPRINT: self.fingerprint},
+            extra={contract.MODEL_FINGERPRINT: self.fingerprint, engine_contract.SEEDED_SAMPLING: True},
             context_length=self.max_positions or None,
         )
 
-    def prefill(self, input_ids: Sequence[int], rid: str, extra_key: str | None = None) -> PrefillResult:
+    def prefill(self, input_ids: Sequence[int], rid: str, extra_key: str | None = None) -> RequestResult:
         """Run the prompt forward (reusing a cached prefix when allowed); dump it if the rid is captured."""
+        return self.generate(input_ids, rid, extra_key, PREFILL)
+
+    def generate(
+        self, input_ids: Sequence[int], rid: str, extra_key: str | None, params: GenerationParams
+    ) -> RequestResult:
+        """The prompt forward (dumped if the rid is captured), then up to ``params.max_new_tokens`` tokens;
+        stops after a token of the model's eos ids or ``params.stop_token_ids`` (kept, as SGLang does)."""
         self._check_input_ids(input_ids)
+        # The last token is never fed back: a prompt of the whole context still gets its one token.
+        if self.max_positions and len(input_ids) + params.max_new_tokens - 1 > self.max_positions:
+            raise RequestRejected(
+                "too_long",
+                f"{len(input_ids)} prompt tokens and {params.max_new_tokens} new ones exceed the model's "
+                f"{self.max_positions} positions",
+            )
         capture = contract.is_captured_rid(rid)
         if capture:
             try:
@@ -201,15 +230,15 @@ class ReferenceEngine:
             except ValueError as exc:
                 raise RequestRejected("bad_rid", str(exc)) from exc
         with self._claim_rid(rid):
-            return self._prefill_locked(list(input_ids), rid, extra_key, capture, remember=True)
+            return self._run(list(input_ids), rid, extra_key, params, capture, remember=True)
 
-    def health_generate(self) -> PrefillResult:
+    def health_generate(self) -> RequestResult:
         """A one-token forward outside the capture and the prefix cache, like SGLang's health check."""
         rid = f"{HEALTH_CHECK_RID_PREFIX}{time.time_ns()}"
         bos = getattr(self.model.config, "bos_token_id", None)
         token = bos if isinstance(bos, int) and 0 <= bos < self.vocab_size else 0
         with self._claim_rid(rid):
-            return self._prefill_locked([token], rid, None, capture=False, remember=False)
+            return self._run([token], rid, None, PREFILL, capture=False, remember=False)
 
     def flush_cache(self) -> None:
         with self._forward_lock:
@@ -244,42 +273,77 @@ class ReferenceEngine:
             with self._inflight_lock:
                 self._inflight.discard(rid)
 
-    def _prefill_locked(
-        self, input_ids: list[int], rid: str, extra_key: str | None, capture: bool, remember: bool
-    ) -> PrefillResult:
+    def _run(
+        self,
+        input_ids: list[int],
+        rid: str,
+        extra_key: str | None,
+        params: GenerationParams,
+        capture: bool,
+        remember: bool,
+    ) -> RequestResult:
+        remember = remember and self.prefix_cache is not None
         with self._forward_lock:
             reused, past = 0, KvLayers()
             if self.prefix_cache is not None and remember:
                 reused, past = self.prefix_cache.longest_prefix(extra_key, input_ids)
             computed_ids = input_ids[reused:]
-            output_id, hidden, kv = self._forward(computed_ids, past)
+            cache = self._cache_from(past)
+            logits, hidden = self._forward(computed_ids, cache, keep_states=capture)
             if self.prefix_cache is not None and remember:
-                self.prefix_cache.insert(extra_key, input_ids, kv)
+                self.prefix_cache.insert(extra_key, input_ids, _kv_layers(cache))
             if capture:
                 self._write_dump(rid, computed_ids, hidden, prompt_tokens=len(input_ids), cached=reused)
-        return PrefillResult(
+        output_ids, finish = self._decode(logits, cache, params)
+        if self.prefix_cache is not None and remember and len(output_ids) > 1:
+            # As SGLang's radix cache keeps a finished request's whole sequence: every fed token's keys.
+            with self._forward_lock:
+                self.prefix_cache.insert(extra_key, input_ids + output_ids[:-1], _kv_layers(cache))
+        return RequestResult(
             rid=rid,
-            output_id=output_id,
+            output_ids=output_ids,
+            finish_reason=finish,
             prompt_tokens=len(input_ids),
             cached_tokens=reused,
             computed_tokens=len(computed_ids),
             dumped=capture,
         )
 
-    def _forward(
-        self, computed_ids: list[int], past: KvLayers
-    ) -> tuple[int, dict[int | str, torch.Tensor], KvLayers]:
-        """Forward ``computed_ids`` after the cached ``past``: greedy next token, captured states (by hf
-        index, and the pre-norm state under ``contract.PRE_NORM_TENSOR`` when asked), full KV."""
+    def _decode(
+        self, logits: torch.Tensor, cache: DynamicCache, params: GenerationParams
+    ) -> tuple[list[int], FinishReason]:
+        """Tokens after the prompt's ``logits``, feeding each back through ``cache`` until a stop."""
+        generator = generator_for(params)
+        stops = self.eos_ids | set(params.stop_token_ids)
+        output_ids: list[int] = []
+        while True:
+            token = next_token(logits, params, generator)
+            output_ids.append(token)
+            if token in stops:
+                return output_ids, "stop"
+            if len(output_ids) >= params.max_new_tokens:
+                return output_ids, "length"
+            with self._forward_lock:
+                logits, _ = self._forward([token], cache, keep_states=False)
+
+    def _cache_from(self, past: KvLayers) -> DynamicCache:
         cache = DynamicCache(config=self.model.config)
         for layer_index, (keys, values) in enumerate(past):
             # update() concatenates into fresh tensors: the cache entry that lent these slices stays intact.
             cache.update(keys, values, layer_index)
+        return cache
+
+    def _forward(
+        self, computed_ids: list[int], cache: DynamicCache, keep_states: bool
+    ) -> tuple[torch.Tensor, dict[int | str, torch.Tensor]]:
+        """Forward ``computed_ids`` after what ``cache`` holds (which it then holds too): the last position's
+        logits and, when ``keep_states``, the captured states (by hf index, and the pre-norm state under
+        ``contract.PRE_NORM_TENSOR`` when asked)."""
         ids = torch.tensor([computed_ids], dtype=torch.long, device=self.device)
         kwargs: dict[str, Any] = {self._cache_kwarg: cache}
         pre_norm: list[torch.Tensor] = []
         handle = None
-        if self._final_norm is not None:
+        if keep_states and self._final_norm is not None:
             # The final norm's input is the last decoder layer's output: the state before the norm.
             def keep_input(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
                 pre_norm.append(args[0])
@@ -288,16 +352,22 @@ class ReferenceEngine:
         try:
             with torch.inference_mode():
                 out = self.model(
-                    input_ids=ids, use_cache=True, output_hidden_states=True, logits_to_keep=1, **kwargs
+                    input_ids=ids,
+                    use_cache=True,
+                    output_hidden_states=keep_states,
+                    logits_to_keep=1,
+                    **kwargs,
                 )
         finally:
             if handle is not None:
                 handle.remove()
+        logits = out.logits[0, -1]
+        if not keep_states:
+            return logits, {}
         hidden_states = out.hidden_states
         if hidden_states is None or len(hidden_states) != self.num_layers + 1:
             got = "none" if hidden_states is None else len(hidden_states)
             raise RuntimeError(f"model returned {got} hidden states, expected {self.num_layers + 1}")
-        output_id = int(out.logits[0, -1].argmax().item())
         captured: dict[int | str, torch.Tensor] = {
             index: hidden_states[index][0].detach().to("cpu") for index in self.captured_indices
         }
@@ -305,7 +375,7 @@ class ReferenceEngine:
             if len(pre_norm) != 1:
                 raise RuntimeError(f"the final norm ran {len(pre_norm)} times in one forward, expected once")
             captured[contract.PRE_NORM_TENSOR] = pre_norm[0][0].detach().to("cpu")
-        return output_id, captured, _kv_layers(cache)
+        return logits, captured
 
     def _write_dump(
         self,

@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from hsx import contract
+from hsx.regenerate import engine_contract
+from hsx.regenerate.engine_contract import GenerationParamError, GenerationParams
 from workers.engines.reference.engine import ReferenceEngine, RequestRejected
 
 log = logging.getLogger(__name__)
@@ -47,10 +49,15 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             raise RequestRejected("bad_request", f"body is not JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise RequestRejected("bad_request", "body must be a JSON object")
-        input_ids, rid, extra_key = parse_generate_body(body)
-        result = await run_in_threadpool(engine.prefill, input_ids, rid, extra_key)
-        return contract.prefill_reply(
-            result.rid, result.prompt_tokens, result.cached_tokens, result.output_id, started
+        input_ids, rid, extra_key, params = parse_generate_body(body)
+        result = await run_in_threadpool(engine.generate, input_ids, rid, extra_key, params)
+        return engine_contract.generation_reply(
+            result.rid,
+            result.output_ids,
+            result.finish_reason,
+            result.prompt_tokens,
+            result.cached_tokens,
+            started,
         )
 
     @app.get("/health")
@@ -85,8 +92,11 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
     return app
 
 
-def parse_generate_body(body: Mapping[str, Any]) -> tuple[list[int], str, str | None]:
-    """The prompt, rid and cache namespace of a ``/generate`` body; RequestRejected says what is wrong."""
+def parse_generate_body(
+    body: Mapping[str, Any],
+) -> tuple[list[int], str, str | None, GenerationParams]:
+    """The prompt, rid, cache namespace and sampling of a ``/generate`` body (SGLang's defaults for the
+    sampling parameters left out); RequestRejected says what is wrong."""
     input_ids = body.get("input_ids")
     if input_ids is None:
         raise RequestRejected("bad_request", "input_ids is required (text prompts are not supported)")
@@ -111,7 +121,11 @@ def parse_generate_body(body: Mapping[str, Any]) -> tuple[list[int], str, str | 
     sampling = body.get("sampling_params", {})
     if sampling is not None and not isinstance(sampling, dict):
         raise RequestRejected("bad_request", "sampling_params must be an object")
-    return input_ids, rid, extra_key
+    try:
+        params = GenerationParams.from_sampling_params(sampling)
+    except GenerationParamError as exc:
+        raise RequestRejected("bad_request", f"sampling_params.{exc}") from exc
+    return input_ids, rid, extra_key, params
 
 
 def _short(errors: Any, limit: int = 500) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx import contract
+from hsx.regenerate import engine_contract
 from workers.engines.sglang import guards
 from workers.engines.sglang.config import (
     DEFAULT_SWITCH_INTERVAL_MS,
@@ -164,4 +165,6 @@ def engine_extra(server_args: Any, version: str | None = None) -> dict[str, Any]
         "attention_backend": get("attention_backend"),
         "flashinfer_allreduce_fusion_backend": get("flashinfer_allreduce_fusion_backend"),
         "disable_radix_cache": bool(get("disable_radix_cache")),
+        # SGLang 0.5.17 hands sampling_seed to its sampler only under --enable-deterministic-inference.
+        engine_contract.SEEDED_SAMPLING: bool(get("enable_deterministic_inference")),
     }

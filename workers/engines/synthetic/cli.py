@@ -29,6 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the dtype /hsx/info reports (dumps are bf16 whatever it says: another value makes an engine "
         "that breaks the protocol, for tests)",
     )
+    parser.add_argument("--vocab-size", type=int, default=49152, help="generated tokens are below it")
+    parser.add_argument("--eos-token-id", type=int, default=2, help="the token a finished generation ends on")
+    parser.add_argument(
+        "--generation-span", type=int, default=64, help="a generation wants 1 to this many tokens"
+    )
+    parser.add_argument(
+        "--ignore-sampling-seed",
+        action="store_true",
+        help="sample anew whatever sampling_seed says (as SGLang without --enable-deterministic-inference)",
+    )
     parser.add_argument(
         "--tokenizer",
         default="",
@@ -72,6 +82,10 @@ def main(argv: list[str]) -> int:
                 seed=args.seed,
                 context_length=args.context_length,
                 reported_dtype=args.reported_dtype,
+                vocab_size=args.vocab_size,
+                eos_token_id=args.eos_token_id,
+                generation_span=args.generation_span,
+                honour_sampling_seed=not args.ignore_sampling_seed,
             )
         )
     except (ValueError, FileNotFoundError) as exc:

@@ -7,10 +7,17 @@ count of non-finite values), and reports ``backend: synthetic`` in ``/hsx/info``
 says so in its manifest. The row of token ``t`` in the tensor of HF index ``l`` is row ``(t + 31 l) % 256``
 of a fixed table of finite bf16 values: the bytes cost only memory bandwidth, so what is measured behind it
 is the worker side. No torch.
+
+Generation (regeneration's ``/generate`` with ``max_new_tokens``; :func:`synthetic_generation`) is as cheap
+and as deterministic: the tokens come from a hash of the prompt, the engine's seed and, when sampling,
+the request's ``sampling_seed``. A greedy request gives the same tokens every time; a sampled one without
+a seed (or with ``honour_sampling_seed`` off, as SGLang without ``--enable-deterministic-inference``) new
+tokens every time, so tests can tell a kept text from a second generation.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -20,11 +27,14 @@ import numpy.typing as npt
 
 from hsx import contract
 from hsx.model_identity import fingerprint_of
+from hsx.regenerate import engine_contract
+from hsx.regenerate.engine_contract import FinishReason, GenerationParams
 from hsx.safetensors_io import encode_header
 
 BACKEND = "synthetic"
 PATTERN_ROWS = 256
 ROWS_PER_WRITE = 256
+FIRST_PLAIN_TOKEN = 3  # below it: the special tokens of the usual tokenizers (SmolLM2's 0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,12 @@ class SyntheticConfig:
     # What /hsx/info says the states are; dumps are bf16 whatever it says. Anything else makes an engine
     # that breaks the protocol, which tests use to show a worker refusing it.
     reported_dtype: str = "bfloat16"
+    # Generation: tokens are drawn from [FIRST_PLAIN_TOKEN, vocab_size) less the stop tokens; a generation
+    # "wants" 1 to generation_span tokens and ends on eos_token_id when max_new_tokens lets it.
+    vocab_size: int = 49152
+    eos_token_id: int = 2
+    generation_span: int = 64
+    honour_sampling_seed: bool = True
 
 
 def pattern_table(hidden_size: int, seed: int = 7) -> npt.NDArray[np.uint16]:
@@ -55,6 +71,12 @@ class SyntheticEngine:
             raise ValueError("hidden size must be positive")
         if config.final_state not in contract.FINAL_STATES:
             raise ValueError(f"final state must be one of {contract.FINAL_STATES}")
+        if not 0 <= config.eos_token_id < config.vocab_size or config.vocab_size <= FIRST_PLAIN_TOKEN + 1:
+            raise ValueError(
+                f"eos token {config.eos_token_id} must be in a vocabulary of {config.vocab_size}"
+            )
+        if config.generation_span < 1:
+            raise ValueError("generation span must be positive")
         self.config = config
         aux = config.aux_layer_ids or contract.eagle3_aux_layer_ids(config.num_layers)
         self.aux_layer_ids = list(aux)
@@ -97,6 +119,7 @@ class SyntheticEngine:
                 "pattern": f"table[(token + 31 * hf_index) % {PATTERN_ROWS}]",
                 "seed": self.config.seed,
                 contract.MODEL_FINGERPRINT: self.fingerprint,
+                engine_contract.SEEDED_SAMPLING: self.config.honour_sampling_seed,
             },
             context_length=self.config.context_length,
         )
@@ -126,6 +149,11 @@ class SyntheticEngine:
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
+
+    def generate(self, input_ids: list[int], params: GenerationParams) -> tuple[list[int], FinishReason]:
+        """The synthetic continuation of ``input_ids`` (see :func:`synthetic_generation`)."""
+        seed = params.seed if self.config.honour_sampling_seed else None
+        return synthetic_generation(self.config, input_ids, params, seed)
 
     def _write_states(self, path: str, input_ids: list[int]) -> None:
         ids = np.asarray(input_ids, dtype="<i4")
@@ -159,3 +187,40 @@ def expected_state(
 ) -> npt.NDArray[np.uint16]:
     """What the engine writes for one tensor: tests compare shards with it."""
     return table[(np.asarray(input_ids, dtype=np.int64) + 31 * hf_index) % PATTERN_ROWS]
+
+
+def synthetic_generation(
+    config: SyntheticConfig, input_ids: list[int], params: GenerationParams, seed: int | None
+) -> tuple[list[int], FinishReason]:
+    """The generated tokens and why they ended: ``min(wanted, max_new_tokens)`` tokens, where ``wanted``
+    in ``[1, generation_span]`` comes from the same hash; the last is ``eos_token_id`` when ``wanted`` fits.
+
+    Greedy (temperature below SGLang's epsilon): a function of the prompt and the engine's seed. Sampled:
+    of those and ``seed``; with no seed, of fresh random bytes (every call differs)."""
+    key = hashlib.sha256()
+    key.update(f"hsx-synthetic-generation:{config.seed}:".encode())
+    key.update(np.asarray(input_ids, dtype="<i8").tobytes())
+    if not params.greedy:
+        # top_p and temperature shape a real distribution; here they only make another draw.
+        key.update(f":{params.temperature!r}:{params.top_p!r}:".encode())
+        key.update(str(seed).encode() if seed is not None else os.urandom(16))
+    stream = np.random.default_rng(np.frombuffer(key.digest(), dtype="<u4"))
+    wanted = 1 + int(stream.integers(config.generation_span))
+    stops = {config.eos_token_id, *params.stop_token_ids}
+    count = min(wanted, params.max_new_tokens)
+    # Always the whole span, so a shorter max_new_tokens cuts the same generation rather than drawing another.
+    drawn = stream.integers(FIRST_PLAIN_TOKEN, config.vocab_size, size=config.generation_span)[:count]
+    tokens = [_not_a_stop(int(token), stops, config.vocab_size) for token in drawn]
+    if wanted <= params.max_new_tokens:
+        return [*tokens[:-1], config.eos_token_id], "stop"
+    return tokens, "length"
+
+
+def _not_a_stop(token: int, stops: set[int], vocab_size: int) -> int:
+    """``token``, or the next plain token that is no stop token (a drawn stop would end the turn)."""
+    span = vocab_size - FIRST_PLAIN_TOKEN
+    for step in range(span):
+        candidate = FIRST_PLAIN_TOKEN + (token - FIRST_PLAIN_TOKEN + step) % span
+        if candidate not in stops:
+            return candidate
+    raise ValueError("every token of the vocabulary is a stop token")

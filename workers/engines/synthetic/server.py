@@ -11,6 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from hsx import contract
+from hsx.regenerate import engine_contract
+from hsx.regenerate.engine_contract import GenerationParamError, GenerationParams
 from workers.engines.synthetic.engine import SyntheticEngine
 
 
@@ -39,12 +41,20 @@ def create_app(engine: SyntheticEngine) -> FastAPI:
         rid = body.get("rid")
         if rid is not None and not isinstance(rid, str):
             return _bad("rid must be a string")
-        if len(ids) > engine.config.context_length:
+        sampling = body.get("sampling_params")
+        if sampling is not None and not isinstance(sampling, dict):
+            return _bad("sampling_params must be an object")
+        try:
+            params = GenerationParams.from_sampling_params(sampling)
+        except GenerationParamError as exc:
+            return _bad(f"sampling_params.{exc}")
+        if len(ids) + params.max_new_tokens > engine.config.context_length:
             return JSONResponse(
                 status_code=400,
                 content={
                     "error": "too_long",
-                    "detail": f"{len(ids)} tokens exceed the context length {engine.config.context_length}",
+                    "detail": f"{len(ids)} prompt tokens and {params.max_new_tokens} new ones exceed the "
+                    f"context length {engine.config.context_length}",
                 },
             )
         try:
@@ -55,7 +65,8 @@ def create_app(engine: SyntheticEngine) -> FastAPI:
             )
         except (ValueError, OSError) as exc:  # a rid that escapes the dump dir or is too long for a name
             return _bad(f"cannot dump under rid {rid!r}: {exc}")
-        return contract.prefill_reply(rid or "", len(ids), 0, 0, started)
+        output_ids, finish = engine.generate(ids, params)
+        return engine_contract.generation_reply(rid or "", output_ids, finish, len(ids), 0, started)
 
     @app.get("/health")
     def health() -> Response:

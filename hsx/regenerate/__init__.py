@@ -1,0 +1,23 @@
+"""Regeneration: a job's assistant turns rewritten by the target model before their capture.
+
+The engine side of it (the ``/generate`` request and reply a worker and an engine agree on) is written
+down once in :mod:`hsx.regenerate.engine_contract`.
+
+The job side (docs/regenerate.md):
+
+==========================  =================================================================================
+module                      what lives there
+==========================  =================================================================================
+:mod:`.turns`               turn by turn: a conversation regenerated, its ids built from the engine's own
+                            ids for every generated span and its loss mask (worker side: the tokenizer)
+:mod:`.stage`               a unit's stage before capture: kept texts looked up, the rest generated and
+                            written under the unit's lease, then handed to capture as token ids
+:mod:`.models`              the ``regenerated_samples`` table (one row per sample, never rewritten)
+:mod:`.repository`          its SQL: the fenced write, the read-back, the job's totals, the download
+:mod:`.export`              the regenerated dataset's JSONL line (``GET /jobs/{id}/regenerated``)
+:mod:`.download`            ``hsx regenerated JOB``
+==========================  =================================================================================
+
+The API imports only the options (:mod:`hsx.job_options`), ``models``, ``repository`` and ``export``: no
+torch, no tokenizer.
+"""
