@@ -236,7 +236,7 @@ def part_job(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     eos = tokenizer.eos_token_id
-    # The job names the tokenizer's eos as a stop token (hsx/regenerate/turns.py); the baseline does too.
+    # The job names the tokenizer's eos as a stop token (workers/regeneration/turns.py); so does the baseline.
     plain_params = GenerationParams(
         max_new_tokens=params.max_new_tokens,
         temperature=params.temperature,

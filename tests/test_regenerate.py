@@ -152,7 +152,7 @@ def test_a_bad_regenerate_option_is_a_422_naming_the_field(
 def engine_turns(client: Any, max_new_tokens: int) -> Any:
     """The worker's turn generator over a real engine: greedy, as the stage asks."""
     from hsx.regenerate.engine_contract import GenerationParams
-    from hsx.regenerate.turns import GeneratedTurn
+    from workers.regeneration.turns import GeneratedTurn
 
     def generate(prompt: list[int], turn: int) -> GeneratedTurn:
         done = client.generate(
@@ -168,8 +168,8 @@ def test_under_last_the_earlier_turns_are_kept_and_masked_as_in_any_job(
 ) -> None:
     from hsx.engine_client import EngineClient
     from hsx.job_options import RegenerateOptions
-    from hsx.regenerate.turns import TurnRegenerator
     from workers.chat import ChatEncoder
+    from workers.regeneration.turns import TurnRegenerator
 
     conversation = ROWS[1]["messages"]
     regenerator = TurnRegenerator(tokenizer, RegenerateOptions(turns="last", max_new_tokens=5), 4096)
@@ -192,7 +192,7 @@ def test_a_turn_stopped_on_max_new_tokens_is_kept_and_counted_or_dropped(
 ) -> None:
     from hsx.engine_client import EngineClient
     from hsx.job_options import RegenerateOptions
-    from hsx.regenerate.turns import GENERATION_LENGTH, RegenerateError, TurnRegenerator
+    from workers.regeneration.turns import GENERATION_LENGTH, RegenerateError, TurnRegenerator
 
     conversation = [{"role": "user", "content": "Tell me a long story about a dragon."}]
     with EngineClient(engine_nocache.url) as client:

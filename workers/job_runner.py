@@ -43,7 +43,6 @@ from hsx.jobs.publication import destination_of, publish_committed
 from hsx.jobs.queue import wake_idle_workers
 from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
-from hsx.regenerate.stage import record_stage
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
 from hsx.streams.contract import ClaimWait
@@ -53,6 +52,7 @@ from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
 from workers.lease import LeaseKeeper
 from workers.record_stage import RecordStage, UnitRecord
+from workers.regeneration.stage import record_stage
 from workers.shards import ShardWriteError
 from workers.unit_commit import commit_unit, staged_path
 from workers.unit_processor import UnitAborted, UnitProcessor, UnitResult

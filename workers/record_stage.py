@@ -1,6 +1,7 @@
 """The seam between reading a unit's records and capturing them: a stage a job's options may ask for, that
 takes the unit's records (under the unit's lease) and hands capture the records it must take instead.
-Regeneration is one (:mod:`hsx.regenerate.stage`); a job that asks for none captures its records as read."""
+Regeneration is one (:mod:`workers.regeneration.stage`); a job that asks for none captures its records
+as read."""
 
 from __future__ import annotations
 

@@ -8,16 +8,16 @@ The job side (docs/regenerate.md):
 ==========================  =================================================================================
 module                      what lives there
 ==========================  =================================================================================
-:mod:`.turns`               turn by turn: a conversation regenerated, its ids built from the engine's own
-                            ids for every generated span and its loss mask (worker side: the tokenizer)
-:mod:`.stage`               a unit's stage before capture: kept texts looked up, the rest generated and
-                            written under the unit's lease, then handed to capture as token ids
-:mod:`.models`              the ``regenerated_samples`` table (one row per sample, never rewritten)
+:mod:`.engine_contract`     the generation request and reply (standard library only)
+:mod:`hsx.db.regenerate_models`  the ``regenerated_samples`` table (one row per sample, never rewritten)
 :mod:`.repository`          its SQL: the fenced write, the read-back, the job's totals, the download
 :mod:`.export`              the regenerated dataset's JSONL line (``GET /jobs/{id}/regenerated``)
 :mod:`.download`            ``hsx regenerated JOB``
 ==========================  =================================================================================
 
-The API imports only the options (:mod:`hsx.job_options`), ``models``, ``repository`` and ``export``: no
-torch, no tokenizer.
+The worker side, which needs the worker's chat encoding, is :mod:`workers.regeneration`: ``turns`` (turn by
+turn, the ids built from the engine's own ids for every generated span, and the loss mask) and ``stage`` (a
+unit's stage before capture: kept texts looked up, the rest generated and written under the unit's lease).
+Imports go one way, workers to hsx. The API imports only the options (:mod:`hsx.job_options`), the table,
+``repository`` and ``export``: no torch, no tokenizer.
 """

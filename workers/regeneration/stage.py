@@ -29,7 +29,8 @@ from hsx.job_options import JobOptions, RegenerateOptions
 from hsx.jobs.repository import ClaimedUnit
 from hsx.regenerate import repository as regen_repo
 from hsx.regenerate.repository import KeptSample
-from hsx.regenerate.turns import (
+from workers.record_stage import UnitRecord
+from workers.regeneration.turns import (
     GENERATION_REJECTED,
     GENERATION_TIMEOUT,
     NEEDS_MESSAGES,
@@ -37,7 +38,6 @@ from hsx.regenerate.turns import (
     RegenerateError,
     TurnRegenerator,
 )
-from workers.record_stage import UnitRecord
 from workers.unit_processor import UnitAborted
 
 if TYPE_CHECKING:
