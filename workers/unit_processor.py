@@ -80,9 +80,13 @@ class UnitResult:
     # Where the collecting thread's time went (seconds): waiting for an answer or its dump, copying dumps
     # into the shard, closing the shard; and when the engine answered the unit's last prefill (monotonic).
     # The unit's log line carries them, so a slow job shows whether the engine or the copy held it back.
+    # Of the copying, ``write_s`` went to writing the shard (os.write and the write-behind's waits on the
+    # disk); of the closing, ``fsync_s`` to its fsync.
     waiting_s: float = 0.0
     copying_s: float = 0.0
     closing_s: float = 0.0
+    write_s: float = 0.0
+    fsync_s: float = 0.0
     last_answer: float = 0.0
 
     def live(self) -> LiveCounts:
@@ -202,8 +206,11 @@ class UnitProcessor:
                 stream = self._collect(window.popleft(), result, stream, unit, staged_path)
             if stream is not None:
                 closing = time.monotonic()
-                result.shard = stream.finish()
-                result.closing_s += time.monotonic() - closing
+                try:
+                    result.shard = stream.finish()
+                finally:
+                    result.closing_s += time.monotonic() - closing
+                    result.write_s, result.fsync_s = stream.write_s, stream.fsync_s
         except BaseException:
             for pending in window:
                 pending.future.cancel()
@@ -300,6 +307,8 @@ class UnitProcessor:
         finally:
             self._drop(outcome)
             result.copying_s += time.monotonic() - copying
+            if stream is not None:
+                result.write_s = stream.write_s
         if pending.truncation is not None:
             result.truncations.append(pending.truncation)
         result.tokens += len(pending.input_ids)
