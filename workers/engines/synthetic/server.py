@@ -39,14 +39,10 @@ def create_app(engine: SyntheticEngine) -> FastAPI:
         rid = body.get("rid")
         if rid is not None and not isinstance(rid, str):
             return _bad("rid must be a string")
-        if len(ids) > engine.config.context_length:
-            return JSONResponse(
-                status_code=400,
-                content={
-                    "error": "too_long",
-                    "detail": f"{len(ids)} tokens exceed the context length {engine.config.context_length}",
-                },
-            )
+        limit = engine.prompt_limit()
+        if len(ids) > limit:
+            detail = f"{len(ids)} tokens exceed the longest prompt it takes, {limit}"
+            return JSONResponse(status_code=400, content={"error": "too_long", "detail": detail})
         try:
             await run_in_threadpool(engine.prefill, ids, rid or "")
         except FileExistsError:
