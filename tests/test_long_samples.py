@@ -103,7 +103,7 @@ def _status_kib(field: str) -> int:
     return int(match.group(1))
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the worker's memory, whatever its table
 def test_a_worker_copies_32k_token_samples_in_bounded_memory(
     engines: Engines, stack_on: object, tmp_path: Path
 ) -> None:
