@@ -325,6 +325,38 @@ def _timestamp(text: Any) -> float:
     return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
 
 
+def cpu_seconds(stack: Stack, since: dict[str, float] | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) of each process the stack started, its descendants included (live ones
+    and those already reaped), and of this process (``bench``); minus ``since`` when given. Empty without
+    psutil. A PostgreSQL server's own processes are not the stack's and not counted."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+
+    def total(process: Any) -> float:
+        times = process.cpu_times()
+        return float(times.user + times.system + times.children_user + times.children_system)
+
+    spent: dict[str, float] = {"bench": total(psutil.Process())}
+    for name, proc in stack.local.procs:
+        try:
+            root = psutil.Process(proc.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        seconds = 0.0
+        for member in tree:
+            try:
+                seconds += total(member)
+            except psutil.Error:
+                continue
+        spent[name] = seconds
+    if since is not None:
+        spent = {name: value - since.get(name, 0.0) for name, value in spent.items()}
+    return spent
+
+
 def table(rows: Sequence[tuple[str, str]]) -> None:
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
@@ -397,10 +429,11 @@ def worker_phases(spent: dict[str, float], total: float) -> dict[str, float]:
         "fsync": spent.get("fsync_s", 0.0),
         "close": spent.get("closing_s", 0.0) - spent.get("fsync_s", 0.0),
         "commit": spent.get("commit_s", 0.0),
+        "wake": spent.get("wake_s", 0.0),
     }
     # Fields a later change adds to the unit's line (a deletion's time, say) show up as themselves.
     known = {"claim_s", "room_wait_s", "waiting_s", "copying_s", "write_s", "fsync_s", "closing_s"}
-    known.add("commit_s")
+    known.update(("commit_s", "wake_s"))
     phases.update({name[:-2]: value for name, value in spent.items() if name not in known})
     phases["other"] = total - sum(phases.values())
     return {f"worker_{name}": round(value / max(total, 1e-9), 3) for name, value in phases.items()}

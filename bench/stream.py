@@ -9,13 +9,16 @@ Kimi-K2.5's width (hidden 7168; three aux layers plus the final state: 57 KB a t
 The cap is ``--cap-fraction`` of what the keep job wrote (so the output is 1/fraction times the cap). The
 consumer leases one shard at a time, reads it whole (its sha256 checked, its sample list taken) and
 acknowledges it; a monitor samples the consume job's output directory (every file, staged shards included)
-and its buffered bytes. ``--db postgres`` runs the job table on PostgreSQL (see ``--pg-admin-url``).
-Prints a table, then one JSON line: ``job_tok_s`` (consume), ``keep_tok_s``,
+and its buffered bytes. The keep job runs before and after the consume job (a shared host's load drifts).
+``--db postgres`` runs the job table on PostgreSQL (see ``--pg-admin-url``).
+
+Prints a table, then one JSON line: ``job_tok_s`` (consume), ``keep_tok_s`` (the mean of the two),
 ``ratio``, ``cap_bytes``, ``peak_buffered_bytes``, ``peak_disk_bytes``, ``output_bytes`` (what keep
 wrote), ``unit_bytes`` (the largest shard), ``lost`` and ``duplicated`` (samples, by the consumer's count
-against the job's), and the timelines of both jobs: the workers' time (processes x the job's seconds) split
+against the job's); the timelines of both jobs: the workers' time (processes x the job's seconds) split
 into claim, room_wait, engine, copy, write, fsync, close, commit and other, and the consumers' (ranks x the
-consume job's seconds) into lease, read, verify, ack (the API deletes the shard inside it) and idle.
+consume job's seconds) into lease, read, verify, ack (the API deletes the shard inside it) and idle, with
+the calls' count and mean latency; and the CPU seconds of each process over each job.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (  # noqa: E402
+    cpu_seconds,
     job_rate,
     job_timeline,
     private_database,
@@ -91,12 +95,21 @@ class ConsumerTimeline:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.spent = dict.fromkeys(self.PHASES, 0.0)
+        self.calls = dict.fromkeys(self.PHASES, 0)
 
     def add(self, phase: str, started: float) -> float:
         now = time.monotonic()
         with self.lock:
             self.spent[phase] += now - started
+            self.calls[phase] += 1
         return now
+
+    def calls_and_latency(self) -> dict[str, str]:
+        """Calls of each phase and their mean duration."""
+        return {
+            name: f"{self.calls[name]} x {1000 * self.spent[name] / max(self.calls[name], 1):.1f} ms"
+            for name in self.PHASES
+        }
 
     def shares(self, total: float) -> dict[str, float]:
         """Each phase as a share of ``total`` (ranks x the job's seconds)."""
@@ -223,19 +236,28 @@ def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | 
         stack.start_api()
         stack.start_workers(args.processes)
         out = Path(stack.env["HSX_OUTPUT_DIR"])
+        log = stack.local.log_dir / "workers.log"
 
-        say("keep job")
-        keep_id, _ = stack.submit(dataset, samples_per_shard=args.samples_per_shard)
-        keep = stack.wait(keep_id, timeout=3600)
-        if keep["state"] != "succeeded":
-            raise SystemExit(f"keep job {keep['state']}: {keep.get('error')}")
+        def keep_job(when: str) -> tuple[dict[str, Any], dict[str, float]]:
+            say(f"keep job ({when})")
+            cpu = cpu_seconds(stack)
+            keep_id, _ = stack.submit(dataset, samples_per_shard=args.samples_per_shard)
+            keep = stack.wait(keep_id, timeout=3600)
+            spent = cpu_seconds(stack, since=cpu)
+            if keep["state"] != "succeeded":
+                raise SystemExit(f"keep job {keep['state']}: {keep.get('error')}")
+            return keep, spent
+
+        # Keep before and after the consume job, as its baseline: a shared host's load drifts.
+        keep, keep_cpu = keep_job("before")
         output_bytes = int(keep["output"]["bytes_written"])
-        shards = stack.http.get(f"{stack.api_url}/jobs/{keep_id}/shards", params={"limit": 1000}).json()
+        shards = stack.http.get(f"{stack.api_url}/jobs/{keep['id']}/shards", params={"limit": 1000}).json()
         unit_bytes = max(s["bytes"] for s in shards["items"])
-        shutil.rmtree(out / keep_id, ignore_errors=True)
+        shutil.rmtree(out / keep["id"], ignore_errors=True)
         cap = max(1, int(output_bytes * args.cap_fraction))
 
         say(f"consume job, cap {cap:,} bytes ({output_bytes / cap:.1f}x under the output)")
+        cpu = cpu_seconds(stack)
         job_id, _ = stack.submit(
             dataset, samples_per_shard=args.samples_per_shard, retention="consume", buffer_cap_bytes=cap
         )
@@ -245,13 +267,16 @@ def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | 
         consumers = ConsumerTimeline()
         consume(stack, job_id, seen, args.consumers, consumers)
         doc = stack.wait(job_id, timeout=3600)
+        consume_cpu = cpu_seconds(stack, since=cpu)
         monitor.stopped.set()
         monitor.join()
         if doc["state"] != "succeeded":
             raise SystemExit(f"consume job {doc['state']}: {doc.get('error')}")
+        after, after_cpu = keep_job("after")
+        shutil.rmtree(out / after["id"], ignore_errors=True)
         expected = doc["progress"]["samples_done"]
-        job, keep_rate = job_rate(doc), job_rate(keep)
-        log = stack.local.log_dir / "workers.log"
+        job, keep_rates = job_rate(doc), [job_rate(keep), job_rate(after)]
+        keep_rate = sum(keep_rates) / 2
         consume_timeline = job_timeline(log, doc, args.processes)
         consume_timeline.update(consumers.shares(args.consumers * consume_timeline["seconds"]))
         result = {
@@ -264,6 +289,7 @@ def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | 
             "consumers": args.consumers,
             "job_tok_s": round(job),
             "keep_tok_s": round(keep_rate),
+            "keep_before_after": [round(rate) for rate in keep_rates],
             "ratio": round(job / keep_rate, 3),
             "cap_bytes": cap,
             "peak_buffered_bytes": monitor.peak_buffered,
@@ -277,7 +303,11 @@ def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | 
             # Shares of the workers' time (processes x the job's seconds) and the consumers' (ranks x it).
             "keep_timeline": _phases(job_timeline(log, keep, args.processes)),
             "consume_timeline": _phases(consume_timeline),
+            "consumer_calls": consumers.calls_and_latency(),
             "consume_units": {k: v for k, v in consume_timeline.items() if k.startswith("units_")},
+            # CPU seconds of each process of the stack over each job (the bench: its consumers and monitor).
+            "keep_cpu_s": {k: round((v + after_cpu.get(k, 0.0)) / 2, 2) for k, v in keep_cpu.items()},
+            "consume_cpu_s": {k: round(v, 2) for k, v in consume_cpu.items()},
         }
     return result
 

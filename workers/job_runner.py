@@ -277,9 +277,9 @@ class JobRunner:
         self, job: JobView, processor: UnitProcessor, info: EngineInfo, max_units: int | None
     ) -> Outcome:
         done_here = 0
-        # Seconds before the next unit: claiming it, and waiting for room under a consume job's cap. The
-        # unit's log line carries them beside its own (bench/harness.py's timeline sums them).
-        before = {"claim_s": 0.0, "room_wait_s": 0.0}
+        # Seconds before the next unit: claiming it, waiting for room under a consume job's cap, waking
+        # other workers. The unit's log line carries them beside its own (bench/harness.py's timeline).
+        before = {"claim_s": 0.0, "room_wait_s": 0.0, "wake_s": 0.0}
         while max_units is None or done_here < max_units:
             if SHUTDOWN.is_set():
                 return Outcome(f"stopping after {done_here} unit(s)", True)
@@ -301,7 +301,9 @@ class JobRunner:
                 finished = retry_db(lambda: self._finalize())
                 return Outcome(f"{done_here} unit(s); no unit left to claim", not finished)
             crash_point("after_claim")
+            waking = time.monotonic()
             self._wake_more()
+            before["wake_s"] = time.monotonic() - waking
             with log_context(job_id=unit.job_id, unit=unit.unit_index, attempt=unit.attempt):
                 log.info("job %s: claimed unit %s", self.job_id, unit.unit_index)
                 outcome = self._run_unit(unit, job, processor, info)
