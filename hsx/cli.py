@@ -260,7 +260,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-BENCHES = ("pipeline", "e2e", "memory", "api", "scale", "submit", "stream", "fp8", "fp8_error")
+BENCHES = ("pipeline", "e2e", "memory", "api", "scale", "submit", "stream", "fp8", "fp8_error", "long")
 
 
 def cmd_bench(argv: list[str]) -> int:
