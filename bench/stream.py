@@ -92,7 +92,8 @@ class ConsumerTimeline:
 
     PHASES = ("lease", "read", "verify", "ack", "idle")
 
-    def __init__(self) -> None:
+    def __init__(self, poll_seconds: float = 0.02) -> None:
+        self.poll_seconds = poll_seconds  # the pause after an empty lease
         self.lock = threading.Lock()
         self.spent = dict.fromkeys(self.PHASES, 0.0)
         self.calls = dict.fromkeys(self.PHASES, 0)
@@ -182,7 +183,7 @@ def _rank(
                 if answer["end_of_stream"]:
                     return
                 if not answer["items"]:
-                    time.sleep(0.02)
+                    time.sleep(timeline.poll_seconds)
                     timeline.add("idle", mark)
     except BaseException as exc:  # noqa: BLE001 - reported by consume()
         failures.append(exc)
@@ -209,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url", help="a job table of your own (overrides --db)")
     parser.add_argument(
         "--consumers", type=int, default=4, help="consumers of one group, as a data-parallel trainer's ranks"
+    )
+    parser.add_argument(
+        "--poll-seconds",
+        type=float,
+        default=0.02,
+        help="a consumer's pause after an empty lease (hsx.streams.torch_stream.JobStream's default: 0.5 s)",
     )
     parser.add_argument("--engine-url", help="a running engine (default: start a synthetic one)")
     parser.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
@@ -264,7 +271,7 @@ def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | 
         monitor = Monitor(out / job_id, stack.env["HSX_DATABASE_URL"], job_id)
         monitor.start()
         seen: list[int] = []
-        consumers = ConsumerTimeline()
+        consumers = ConsumerTimeline(args.poll_seconds)
         consume(stack, job_id, seen, args.consumers, consumers)
         doc = stack.wait(job_id, timeout=3600)
         consume_cpu = cpu_seconds(stack, since=cpu)
@@ -287,6 +294,7 @@ def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | 
             "hidden_size": args.hidden_size,
             "processes": args.processes,
             "consumers": args.consumers,
+            "poll_seconds": args.poll_seconds,
             "job_tok_s": round(job),
             "keep_tok_s": round(keep_rate),
             "keep_before_after": [round(rate) for rate in keep_rates],
