@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from sqlalchemy.orm import Session
 
 from app.deps import SessionDep, SettingsDep
+from app.jobs import admission
 from app.jobs.schemas import ErrorOut, VerifyOut
 from hsx import engine_fitness
+from hsx.contract import EngineInfo
 from hsx.engine_client import EngineClient, EngineError, EngineUnfit
 from hsx.jobs import queries
 from hsx.jobs.queue import redis_connection
@@ -17,6 +21,9 @@ from hsx.settings import Settings
 
 health_router = APIRouter(tags=["health"])
 verify_router = APIRouter(tags=["verify"])
+
+# How long /readyz waits for a preflight it has not yet got a result of; it answers "checking" after that.
+PREFLIGHT_WAIT_SECONDS = 3.0
 
 
 @health_router.get("/healthz")
@@ -26,9 +33,12 @@ def healthz() -> dict[str, str]:
 
 @health_router.get("/readyz")
 def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
-    """Ready when the database, Redis and a fit engine answer. ``engine`` says why an engine is unfit;
-    ``engine_notes`` what it leaves unchecked, and ``engine_unfit_for_jobs`` which active jobs it could
-    not serve (another model than theirs, say): informative, they do not make the API unready."""
+    """Ready when the database, Redis and a fit engine answer: fit as ``POST /jobs`` judges it, so that
+    ready means a job would be accepted. With one engine that is the preflight (``hsx verify``, the
+    failed checks in ``engine_failed_checks``); in a fleet (HSX_ENGINE_FLEET) other engines may serve the
+    jobs, so only an engine that is no hsx engine of this protocol is unfit. ``engine_notes`` says what
+    is left unchecked (a prefix cache in a fleet, say), ``engine_unfit_for_jobs`` which active jobs the
+    engine could not serve (another model than theirs): informative, they do not make the API unready."""
     checks: dict[str, str] = {}
     body: dict[str, object] = {}
     try:
@@ -41,34 +51,66 @@ def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
         checks["redis"] = "ok"
     except Exception as exc:  # noqa: BLE001
         checks["redis"] = f"error: {exc.__class__.__name__}"
-    checks["engine"], notes, unfit = engine_readiness(session, settings)
-    if notes:
-        body["engine_notes"] = notes
-    if unfit:
-        body["engine_unfit_for_jobs"] = unfit
+    readiness = engine_readiness(session, settings)
+    checks["engine"] = readiness.state
+    if readiness.failed_checks:
+        body["engine_failed_checks"] = readiness.failed_checks
+    if readiness.notes:
+        body["engine_notes"] = readiness.notes
+    if readiness.unfit_for_jobs:
+        body["engine_unfit_for_jobs"] = readiness.unfit_for_jobs
     ok = all(v == "ok" for v in checks.values())
     return JSONResponse({"ready": ok, "checks": checks, **body}, status_code=200 if ok else 503)
 
 
-def engine_readiness(session: Session, settings: Settings) -> tuple[str, list[str], dict[str, str]]:
-    """``ok`` or why the configured engine is unfit; notes; why it could not serve each active job."""
+@dataclass
+class EngineReadiness:
+    state: str  # "ok", "unfit: why", "checking: ..." or "error: why"
+    failed_checks: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    unfit_for_jobs: dict[str, str] = field(default_factory=dict)
+
+
+def engine_readiness(session: Session, settings: Settings) -> EngineReadiness:
+    """Whether the configured engine is fit as POST /jobs judges it, and why not."""
     try:
         with EngineClient(settings.engine_url, timeout=5, retries=0) as client:
             info = client.info()
     except EngineUnfit as exc:
-        return f"unfit: {exc}", [], {}
+        return EngineReadiness(f"unfit: {exc}")
     except EngineError as exc:
-        return f"error: {exc}", [], {}
+        return EngineReadiness(f"error: {exc}")
     problem = engine_fitness.protocol_problem(info)
-    notes = engine_fitness.unreported_identity(info)
-    if info.prefix_cache:
-        notes.append(f"prefix cache on: {engine_fitness.PREFIX_CACHE_PROBLEM}")
-    unfit: dict[str, str] = {}
+    readiness = EngineReadiness(f"unfit: {problem}" if problem else "ok")
+    readiness.notes = engine_fitness.unreported_identity(info)
+    if not problem and not settings.engine_fleet:
+        _judge_preflight(readiness, settings, info)
+    elif info.prefix_cache:
+        readiness.notes.append(f"prefix cache on: {engine_fitness.PREFIX_CACHE_PROBLEM}")
     for job in queries.active_jobs(session, limit=100):
         reason = engine_fitness.unfit_reason(info, dict(job.options), job.engine)
         if reason:
-            unfit[job.id] = reason
-    return (f"unfit: {problem}" if problem else "ok"), notes, unfit
+            readiness.unfit_for_jobs[job.id] = reason
+    return readiness
+
+
+def _judge_preflight(readiness: EngineReadiness, settings: Settings, info: EngineInfo) -> None:
+    """The preflight POST /jobs runs (and keeps) for this engine: refused is unfit, naming the checks."""
+    try:
+        checked = admission.preflight_within(settings, info, PREFLIGHT_WAIT_SECONDS)
+    except Exception as exc:  # noqa: BLE001 - readiness reports, never raises
+        readiness.state = f"error: the preflight failed to run: {exc.__class__.__name__}: {exc}"
+        return
+    if checked is None:
+        readiness.state = "checking: the preflight (hsx verify) is running; ask again in a few seconds"
+    elif checked.refused:
+        readiness.state = (
+            "unfit: the engine failed the preflight, so POST /jobs refuses jobs (engine_failed_checks; "
+            "HSX_ENGINE_FLEET=true would queue them for other engines)"
+        )
+        readiness.failed_checks = list(checked.failed)
+    elif checked.failed:  # only checks that may be the API's own view: POST /jobs accepts, so ready
+        readiness.notes.extend(f"preflight inconclusive here: {check}" for check in checked.failed)
 
 
 @verify_router.post(

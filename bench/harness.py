@@ -421,6 +421,7 @@ def worker_phases(spent: dict[str, float], total: float) -> dict[str, float]:
     ``other`` is what no log line accounts for (reading records, starting a work horse, idle between
     wake-ups)."""
     phases = {
+        "delete": spent.get("delete_s", 0.0),
         "claim": spent.get("claim_s", 0.0),
         "room_wait": spent.get("room_wait_s", 0.0),
         "engine": spent.get("waiting_s", 0.0),
@@ -433,7 +434,7 @@ def worker_phases(spent: dict[str, float], total: float) -> dict[str, float]:
     }
     # Fields a later change adds to the unit's line (a deletion's time, say) show up as themselves.
     known = {"claim_s", "room_wait_s", "waiting_s", "copying_s", "write_s", "fsync_s", "closing_s"}
-    known.update(("commit_s", "wake_s"))
+    known.update(("commit_s", "wake_s", "delete_s"))
     phases.update({name[:-2]: value for name, value in spent.items() if name not in known})
     phases["other"] = total - sum(phases.values())
     return {f"worker_{name}": round(value / max(total, 1e-9), 3) for name, value in phases.items()}

@@ -16,8 +16,8 @@ Prints a table, then one JSON line: ``job_tok_s`` (consume), ``keep_tok_s`` (the
 ``ratio``, ``cap_bytes``, ``peak_buffered_bytes``, ``peak_disk_bytes``, ``output_bytes`` (what keep
 wrote), ``unit_bytes`` (the largest shard), ``lost`` and ``duplicated`` (samples, by the consumer's count
 against the job's); the timelines of both jobs: the workers' time (processes x the job's seconds) split
-into claim, room_wait, engine, copy, write, fsync, close, commit and other, and the consumers' (ranks x the
-consume job's seconds) into lease, read, verify, ack (the API deletes the shard inside it) and idle, with
+into delete (acknowledged shards), claim, room_wait, engine, copy, write, fsync, close, commit, wake and
+other, and the consumers' (ranks x the consume job's seconds) into lease, read, verify, ack and idle, with
 the calls' count and mean latency; and the CPU seconds of each process over each job.
 """
 
@@ -87,8 +87,8 @@ class Monitor(threading.Thread):
 class ConsumerTimeline:
     """Where the consumers' time went, summed over ranks (seconds): ``lease`` (the lease call), ``read``
     (opening the shard: its header, sample list and structure checks), ``verify`` (reading and hashing every
-    byte: the sha256 a consumer checks), ``ack`` (the acknowledgement call; in a consume job the API deletes
-    the acknowledged shard inside it), ``idle`` (sleeping after an empty lease)."""
+    byte: the sha256 a consumer checks), ``ack`` (the acknowledgement call), ``idle`` (sleeping after an empty
+    lease). The workers delete acknowledged shards (their ``delete`` phase)."""
 
     PHASES = ("lease", "read", "verify", "ack", "idle")
 

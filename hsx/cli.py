@@ -124,17 +124,17 @@ def _api(url: str) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from hsx import cli_progress as ui
+    from pydantic import ValidationError
 
-    options: dict[str, Any] = {"chat_template": not args.no_chat_template}
-    if args.samples_per_shard is not None:  # left out: the deployment's HSX_SAMPLES_PER_SHARD
-        options["samples_per_shard"] = args.samples_per_shard
-    if args.max_length is not None:
-        options["max_length"] = args.max_length
-    if args.truncation:
-        options["truncation"] = args.truncation
-    if args.aux_layers:
-        options["aux_layers"] = [int(x) for x in args.aux_layers.split(",")]
+    from hsx import cli_progress as ui
+    from hsx.cli_options import describe_error, options_from_args
+    from hsx.job_options import JobOptions
+
+    try:
+        options = options_from_args(args, args.option_flags, JobOptions)
+    except ValidationError as exc:
+        print(f"hsx submit: {describe_error(exc)}", file=sys.stderr)
+        return ui.EXIT_REFUSED
     api = _api(args.api_url)
     if args.idempotency_key:
         api.headers["Idempotency-Key"] = args.idempotency_key
@@ -197,7 +197,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        Console().print(ui.jobs_table(page))
+        console = Console()  # in a pipe, COLUMNS or 80 wide
+        console.print(ui.jobs_table(page, console.width))
     return ui.EXIT_SUCCEEDED
 
 
@@ -210,16 +211,6 @@ def _show_job(doc: dict[str, Any], as_json: bool) -> None:
         from rich.console import Console
 
         Console().print(ui.job_table(doc))
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, not {value}")
-    return value
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -299,6 +290,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hsx.cli_options import add_model_flags
+    from hsx.job_options import JobOptions
+
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="hsx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -336,20 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="draw a progress bar until the job ends")
     p.add_argument("--timeout", type=float, default=24 * 3600)
     p.add_argument("--interval", type=float, default=1.0, help="seconds between polls while waiting")
-    p.add_argument("--no-chat-template", action="store_true")
-    p.add_argument("--max-length", type=_positive_int, help="the most tokens a sample may have (> 0)")
-    p.add_argument(
-        "--truncation",
-        choices=["truncate", "reject"],
-        help="a longer sample is cut and kept (the default) or rejected as too_long",
-    )
-    p.add_argument("--aux-layers")
-    p.add_argument(
-        "--samples-per-shard", type=int, default=None, help="default: the API's HSX_SAMPLES_PER_SHARD (64)"
-    )
     p.add_argument("--idempotency-key")
     p.add_argument("--json", action="store_true", help=json_help)
-    p.set_defaults(func=cmd_submit)
+    # Every job option, one flag each, made from JobOptions itself (hsx/cli_options.py).
+    p.set_defaults(func=cmd_submit, option_flags=add_model_flags(p, JobOptions))
 
     p = sub.add_parser("watch", help="draw a job's progress until it ends")
     p.add_argument("job_id")

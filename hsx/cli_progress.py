@@ -13,9 +13,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+from rich.cells import cell_len
 from rich.console import Console, RenderableType
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskProgressColumn, TextColumn
 from rich.table import Table
@@ -290,29 +291,99 @@ def job_table(doc: dict[str, Any]) -> Table:
     return table
 
 
-def jobs_table(page: dict[str, Any]) -> Table:
-    table = Table(title=f"{page.get('total', 0)} jobs", title_justify="left")
-    # The id is what a user copies into the next command: never cut; the dataset path gives way instead.
-    table.add_column("job", no_wrap=True, min_width=36)
-    table.add_column("state", no_wrap=True)
-    for name in ("progress", "samples", "rejected", "tok/s"):
-        table.add_column(name, justify="right", no_wrap=True)
-    table.add_column("created", no_wrap=True)
-    table.add_column("dataset", overflow="ellipsis", no_wrap=True, ratio=1)
-    for job in page.get("items", []):
-        p = job.get("progress", {})
-        rate = p.get("tokens_per_second")
-        table.add_row(
-            job.get("id", ""),
-            state_text(job.get("state", "?")),
-            f"{float(p.get('fraction', 0.0)):.0%}",
-            f"{p.get('samples_done', 0)}/{p.get('samples_total', 0)}",
-            str(p.get("samples_rejected", 0)),
-            "" if rate is None else f"{rate:,.1f}",
-            str(job.get("created_at", ""))[:19].replace("T", " "),
-            job.get("dataset_uri", ""),
-        )
+# hsx jobs' columns, most wanted first: the first two always show (the id is what a user copies into the
+# next command, never cut); each other one shows where the width leaves room for it. The dataset comes
+# before the numbers a glance can do without, which show only once its path has DATASET_WIDE cells (or all
+# it needs); its path is the one shortened (in the middle, keeping the file's name), never to less than
+# DATASET_MIN_WIDTH cells, and it takes whatever width is left.
+JOBS_COLUMNS = ("job", "state", "done", "samples", "dataset", "rejected", "tok/s", "created")
+JOBS_RIGHT_ALIGNED = {"done", "samples", "rejected", "tok/s"}
+DATASET_MIN_WIDTH = 12
+DATASET_WIDE = 40
+JOBS_COLUMN_GAP = 2
+
+
+def jobs_table(page: dict[str, Any], width: int) -> Table:
+    """A page of ``GET /jobs`` as a table that fits ``width`` cells (a terminal's, or 80 in a pipe)."""
+    rows = [_job_row(job) for job in page.get("items", [])]
+    natural = {
+        name: max([cell_len(name), *(cell_len(row[name].plain) for row in rows)]) for name in JOBS_COLUMNS
+    }
+    widths: dict[str, int] = {}
+    used, dataset_short = -JOBS_COLUMN_GAP, False
+    for index, name in enumerate(JOBS_COLUMNS):
+        room = width - used - JOBS_COLUMN_GAP
+        wanted = natural[name]
+        if name == "dataset":
+            wide = min(wanted, DATASET_WIDE)
+            dataset_short = wide > room
+            wanted = min(wanted, DATASET_MIN_WIDTH) if dataset_short else wide
+        elif dataset_short:  # the room left is the path's
+            break
+        if index < 2 or wanted <= room:
+            widths[name] = wanted
+            used += JOBS_COLUMN_GAP + wanted
+    if "dataset" in widths:  # what the others leave, up to the whole path
+        widths["dataset"] = min(natural["dataset"], widths["dataset"] + max(0, width - used))
+    table = Table(
+        title=f"{page.get('total', 0)} jobs",
+        title_justify="left",
+        box=None,
+        padding=(0, JOBS_COLUMN_GAP // 2),
+        pad_edge=False,
+        header_style="bold",
+    )
+    # The dataset last: a path of any length ends the line.
+    order = [name for name in JOBS_COLUMNS if name in widths and name != "dataset"]
+    order += ["dataset"] if "dataset" in widths else []
+    for name in order:
+        justify: Literal["left", "right"] = "right" if name in JOBS_RIGHT_ALIGNED else "left"
+        table.add_column(name, justify=justify, no_wrap=True, min_width=widths[name], max_width=widths[name])
+    for row in rows:
+        cells = [row[name] for name in order]
+        if "dataset" in widths:
+            cells[-1] = Text(shorten_middle(row["dataset"].plain, widths["dataset"]))
+        table.add_row(*cells)
     return table
+
+
+def _job_row(job: dict[str, Any]) -> dict[str, Text]:
+    p = job.get("progress", {})
+    rate = p.get("tokens_per_second")
+    return {
+        "job": Text(job.get("id", "")),
+        "state": state_text(job.get("state", "?")),
+        "done": Text(f"{float(p.get('fraction', 0.0)):.0%}"),
+        "samples": Text(f"{p.get('samples_done', 0)}/{p.get('samples_total', 0)}"),
+        "rejected": Text(str(p.get("samples_rejected", 0))),
+        "tok/s": Text("" if rate is None else f"{rate:,.1f}"),
+        "created": Text(str(job.get("created_at", ""))[:19].replace("T", " ")),
+        "dataset": Text(job.get("dataset_uri", "")),
+    }
+
+
+def shorten_middle(text: str, width: int) -> str:
+    """``text`` in at most ``width`` cells: its start and (the larger part) its end about an ellipsis."""
+    if cell_len(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    tail_cells = (width - 1) - (width - 1) // 3
+    head, tail = _cells_from_start(text, width - 1 - tail_cells), _cells_from_end(text, tail_cells)
+    return f"{head}…{tail}"
+
+
+def _cells_from_start(text: str, cells: int) -> str:
+    taken = 0
+    for index, char in enumerate(text):
+        taken += cell_len(char)
+        if taken > cells:
+            return text[:index]
+    return text
+
+
+def _cells_from_end(text: str, cells: int) -> str:
+    return _cells_from_start(text[::-1], cells)[::-1]
 
 
 def print_error(exc: ApiError, as_json: bool) -> int:

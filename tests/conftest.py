@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.skips import FAIL_ON_SKIP_ENV, unlisted
-
 pytest_plugins = [
+    "tests.skips",
     "tests.fixtures.engine",
     "tests.fixtures.tokenizer",
     "tests.fixtures.stack",
@@ -111,39 +110,10 @@ LONG_MODULES_FIRST = (
     "test_job_options.py",
     "test_s3_job.py",
     "test_stream_faults.py",
+    "test_console_worker.py",
 )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONG_MODULES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a module kept
-
-
-# Skips seen in this run, by node id. Under xdist the workers' reports reach this hook in the controller too.
-_skipped: dict[str, str] = {}
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.skipped and not hasattr(report, "wasxfail"):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _skipped[report.nodeid] = reason
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if hasattr(session.config, "workerinput"):
-        return  # an xdist worker: the controller decides
-    if os.environ.get(FAIL_ON_SKIP_ENV) == "1" and unlisted(_skipped) and exitstatus == 0:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if hasattr(terminalreporter.config, "workerinput"):
-        return
-    extra = unlisted(_skipped)
-    if not extra:
-        return
-    strict = os.environ.get(FAIL_ON_SKIP_ENV) == "1"
-    title = "skips not on the allowlist (tests/skips.py)" + (": failing the run" if strict else "")
-    terminalreporter.section(title, sep="=", red=strict, yellow=not strict)
-    for node, reason in sorted(extra.items()):
-        terminalreporter.line(f"{node}: {reason}")

@@ -19,6 +19,7 @@ from tests.fixtures.live_server import serve_in_thread
 from tests.fixtures.stack import REPO, make_stack
 from tests.fixtures.synthetic import Engines, tokenizer_copy, write_pretokenized
 from tests.test_job_recovery import runner, unit_rows
+from tests.test_submit_preflight import settled_readyz
 
 postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 CHATS = REPO / "data" / "sample_chats.jsonl"
@@ -70,7 +71,7 @@ def test_another_checkpoint_of_the_same_shape_never_takes_a_unit(
     from hsx.settings import get_settings
 
     get_settings.cache_clear()
-    ready = stack.client.get("/readyz").json()
+    ready = settled_readyz(stack).json()
     assert ready["checks"]["engine"] == "ok"
     assert "another checkpoint" in ready["engine_unfit_for_jobs"][job_id]
     runner(job_engine.url)(job_id).run()

@@ -30,6 +30,40 @@ def walkthrough() -> str:
     return after[len("```bash\n") :].split("\n```", 1)[0]
 
 
+def setup_block(doc: str, marker: str) -> str:
+    """The fenced bash block before a walk-through, that sets API, TOKEN and DATASET."""
+    before = doc.split(marker, 1)[0]
+    block = before.rsplit("```bash\n", 1)[1].split("\n```", 1)[0]
+    assert block.startswith("API=") and "TOKEN=" in block, block
+    return block
+
+
+def run_setup(block: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The block pasted into a shell in ``cwd`` (strict, as a script would run it); prints the token."""
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", f'{block}\nprintf "%s" "$TOKEN"'],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def check_setup_block(block: str, cwd: Path) -> None:
+    """On a fresh clone (no secrets/api_token) the token is empty and nothing is printed; where a
+    deployment made the file, the token is its content."""
+    fresh = run_setup(block, cwd)
+    assert (fresh.returncode, fresh.stdout, fresh.stderr) == (0, "", ""), fresh
+    (cwd / "secrets").mkdir()
+    (cwd / "secrets" / "api_token").write_text("a-token\n", encoding="utf-8")
+    deployed = run_setup(block, cwd)
+    assert (deployed.returncode, deployed.stdout, deployed.stderr) == (0, "a-token", ""), deployed
+
+
+def test_the_setup_block_is_quiet_on_a_fresh_clone(tmp_path: Path) -> None:
+    check_setup_block(setup_block((REPO / "README.md").read_text(encoding="utf-8"), MARKER), tmp_path)
+
+
 def test_the_walkthrough_uses_curl_for_each_step() -> None:
     script = walkthrough()
     for step in ('-X POST "$API/jobs"', '"$API/jobs/$JOB"', "/shards?", "/rejections?", '"$API/verify"'):

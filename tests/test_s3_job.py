@@ -215,7 +215,8 @@ def test_a_consume_job_is_read_entirely_through_the_store_and_acknowledged_objec
                     held = int(batch["stream_ref"][0][1])  # never acknowledged: it stays, in the store too
                     continue
                 assert stream.ack(batch) == 1
-        doc = stack.wait(job_id, timeout=60)
+        stack.wait(job_id, timeout=60)
+        doc = stack.wait_deleted(job_id)  # by the workers: the last ones at a reconciler pass
     finally:
         stack.stop_workers()
     assert doc["state"] == "succeeded", (doc, stack.logs())

@@ -271,6 +271,7 @@ def test_specforge_reads_a_running_job_with_every_tensor_as_hsx_wrote_it(
     assert doc["stream"]["items_acked"] == 3 and doc["stream"]["buffered_bytes"] == 0, doc["stream"]
     if backend == "shared_dir":
         assert not list((tmp_path / "features" / STORE_ID).glob("*.ckpt"))  # released by SpecForge's store
+    stack.wait_deleted(job_id)  # by the workers
     assert not list(Path(doc["output_dir"]).glob("shard-*.safetensors"))  # acknowledged, so deleted
     assert (tmp_path / "control" / "refs.jsonl.closed").exists()
 

@@ -1,15 +1,18 @@
 """Faults while a consume job streams, with real processes: a consumer SIGKILLed while it holds a lease
-(its shard comes back to another consumer; among acknowledged samples none is lost or repeated), an hsx
-worker killed while consumers read (the job finishes, nothing lost or repeated), a consumer that never
-comes back (the job waits, says so, and deletes nothing unacknowledged), the API process SIGKILLed and
-started again on its port while trainers (``JobStream`` in processes of their own) lease and acknowledge,
-and a private Redis SIGKILLed and started again while workers and trainers run (both: every sample
-acknowledged exactly once, the job succeeds). The cap holds throughout: the buffered bytes are sampled
-from the job table the whole time."""
+(its shard is delivered again, to another consumer), an hsx worker and its work horse SIGKILLed while the
+horse holds a unit's lease (the unit runs a second attempt), a consumer that never comes back (the job
+waits, says so, and deletes nothing unacknowledged), the API process SIGKILLed and started again on its
+port while trainers (``JobStream`` in processes of their own) lease and acknowledge, and a private Redis
+SIGKILLed and started again while workers and trainers run. Each time every sample is acknowledged exactly
+once, and what the readers acknowledged (read before their acknowledgement; the shards are gone after it)
+is the dataset's tokens with the states of an uninterrupted run of the same dataset, sample for sample.
+The cap holds throughout: the buffered bytes are sampled from the job table the whole time. A lease runs
+out when the test says so (it ends the lease in the table), never on a guess at the clock."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -26,6 +29,7 @@ import pytest
 
 from hsx.local_stack import LocalStack, local_stack
 from tests.fixtures.live_server import serve_in_thread
+from tests.fixtures.sample_records import read_records, record_of_sample
 from tests.fixtures.stack import REPO, TEST_TOKEN, Stack, make_stack
 from tests.fixtures.synthetic import Engines, Synthetic, write_pretokenized
 
@@ -123,12 +127,16 @@ def wait_until(check: Callable[[], object], timeout: float, what: str, stack: St
 
 
 def acked_samples(*records: Path) -> list[int]:
-    return [i for r in records if r.exists() for line in r.read_text().splitlines() for i in json.loads(line)]
+    return [r["index"] for r in read_records(*records)]
+
+
+def dataset(stack: Stack) -> Path:
+    return stack.tmp / "d.jsonl"
 
 
 def consume_job(stack: Stack, spp: int = 2, units_under_cap: float = 2.5) -> tuple[str, int]:
     """A consume job whose cap holds about ``units_under_cap`` of its units."""
-    data = write_pretokenized(stack.tmp / "d.jsonl", [48] * SAMPLES)
+    data = write_pretokenized(dataset(stack), [48] * SAMPLES)
     unit = 2 * 48 * 4 * 32 * 2 * spp // 2  # a shard's states, roughly: enough to scale the cap by
     cap = int(unit * units_under_cap)
     return stack.submit(data, samples_per_shard=spp, retention="consume", buffer_cap_bytes=cap)["id"], cap
@@ -138,67 +146,153 @@ def largest_shard(stack: Stack, job_id: str) -> int:
     return max(s["bytes"] for s in stack.client.get(f"/jobs/{job_id}/shards").json()["items"])
 
 
+def uninterrupted_records(stack: Stack, spp: int = 2) -> dict[int, dict[str, Any]]:
+    """The test's dataset as a keep job that the job runner runs in this process from start to end, with no
+    fault (the test's workers stopped first, so none takes a unit of it): each sample as read back."""
+    from hsx.loader import iter_samples
+    from workers.job_runner import JobRunner
+
+    stack.stop_workers()
+    job_id = str(stack.submit(dataset(stack), samples_per_shard=spp)["id"])
+    runner = JobRunner(job_id, stack.settings)
+    while runner.run(max_units=1).more_work:
+        pass
+    doc = stack.job(job_id)
+    assert doc["state"] == "succeeded", doc
+    return {s.index: record_of_sample(s) for s in iter_samples(doc["output_dir"], verify_checksums=True)}
+
+
+def assert_samples_as_written(stack: Stack, *records: Path) -> None:
+    """Every sample acknowledged exactly once, each with the dataset's tokens and exactly the ids, mask and
+    states an uninterrupted run of the dataset gives (compared after the readers are done)."""
+    got = read_records(*records)
+    assert sorted(r["index"] for r in got) == list(range(SAMPLES)), [r["index"] for r in got]
+    lines = [json.loads(line) for line in dataset(stack).read_text().splitlines()]
+    reference = uninterrupted_records(stack)
+    assert sorted(reference) == list(range(SAMPLES))
+    for record in got:
+        index = record["index"]
+        assert record["input_ids"] == lines[index]["input_ids"], f"sample {index}: not the dataset's tokens"
+        assert record == reference[index], f"sample {index} differs from the uninterrupted run's"
+
+
+def end_lease(db_url: str, table: Any, row_id: int, **match: Any) -> None:
+    """The lease on a row (a work unit or a stream item) runs out now: the test decides when, instead of
+    waiting for a time it guesses."""
+    from sqlalchemy import update
+
+    from hsx.db.session import session_scope
+
+    condition = [table.id == row_id, table.lease_expires.is_not(None)]
+    condition += [getattr(table, name) == value for name, value in match.items()]
+    with session_scope(db_url) as session:
+        ended = session.execute(update(table).where(*condition).values(lease_expires=time.time() - 1))
+        assert ended.rowcount == 1, (table, row_id, match)  # type: ignore[attr-defined]
+
+
 def test_a_consumer_killed_holding_a_lease_loses_nothing_and_repeats_nothing(
     synth: tuple[Stack, Synthetic],
 ) -> None:
     from app.main import create_app
+    from hsx.db.session import session_scope
+    from hsx.streams.models import StreamItem
 
     stack, _engine = synth
+    db_url = stack.env["HSX_DATABASE_URL"]
     job_id, cap = consume_job(stack)
-    watch = BufferWatch(stack.env["HSX_DATABASE_URL"], job_id)
+    watch = BufferWatch(db_url, job_id)
     watch.start()
     stack.start_worker()
     first, second = stack.tmp / "first.jsonl", stack.tmp / "second.jsonl"
     with serve_in_thread(create_app()) as api:
-        doomed = start_consumer(stack, api, job_id, first, "--hold-after", "2", "--lease-seconds", "2")
+        doomed = start_consumer(stack, api, job_id, first, "--hold-after", "2")
         assert doomed.stdout is not None
         held = json.loads(doomed.stdout.readline())["holding"]
         os.killpg(doomed.pid, signal.SIGKILL)
         doomed.wait()
+        end_lease(db_url, StreamItem, held, delivery=1)  # the dead consumer's lease runs out
         survivor = start_consumer(stack, api, job_id, second)
         assert survivor.wait(180) == 0, stack.logs()
     watch.stopped.set()
     doc = stack.job(job_id)
     assert doc["state"] == "succeeded", (doc, stack.logs())
-    samples = acked_samples(first, second)
     assert len(acked_samples(first)) == 4  # two shards acknowledged before the kill
-    assert sorted(samples) == list(range(SAMPLES)), samples  # none lost, none twice
-    items = stack.client.get(f"/jobs/{job_id}/consumers").json()["items"]
-    assert sum(c["items_acked"] for c in items) == doc["shards"]["total"] == SAMPLES // 2
-    assert held  # the shard the killed consumer held went to the survivor after its lease ran out
+    # The shard the killed consumer held was delivered a second time, to the survivor, which acknowledged it.
+    with session_scope(db_url) as session:
+        again = session.get(StreamItem, held)
+        assert again is not None and again.delivery == 2 and again.acked_at is not None
     assert watch.peak <= cap + largest_shard(stack, job_id), (watch.peak, cap)
-    assert not list(Path(doc["output_dir"]).glob("shard-*.safetensors"))
+    stack.wait_deleted(job_id)
+    wait_until(lambda: not shards_on_disk(doc), 30, "the acknowledged shards to go", stack)
+    assert_samples_as_written(stack, first, second)  # none lost, none twice, each as written
 
 
-def test_a_worker_killed_while_consumers_read_loses_nothing(synth: tuple[Stack, Synthetic]) -> None:
+def shards_on_disk(doc: dict[str, Any]) -> list[Path]:
+    return list(Path(doc["output_dir"]).glob("shard-*.safetensors"))
+
+
+def kill_a_worker_whose_horse_holds_a_lease(stack: Stack, job_id: str, worker: Any) -> dict[str, Any]:
+    """SIGKILL a worker and its work horse (a process group of its own, which RQ gives it) at a moment the
+    horse holds a unit's lease: both are stopped first, and killed only if the unit is still leased to that
+    attempt (else the horse committed meanwhile, and they go on). Returns the unit as it was leased."""
+    from tests.test_faults import all_gone, live_lease, owner_pid, signal_groups, units
+    from tests.test_faults import wait_until as wait_for
+
+    db_url = stack.env["HSX_DATABASE_URL"]
+    for _ in range(100):
+        held = wait_for(lambda: live_lease(db_url, job_id), 60, "a unit leased", stack)
+        groups = {owner_pid(held["owner"]), worker.pid}
+        signal_groups(groups, signal.SIGSTOP)
+        now = units(db_url, job_id)[held["index"]]
+        if (now["state"], now["attempt"], now["owner"]) == ("leased", held["attempt"], held["owner"]):
+            signal_groups(groups, signal.SIGKILL)
+            wait_until(functools.partial(all_gone, groups), 30, "the killed worker and horse to go", stack)
+            return held
+        signal_groups(groups, signal.SIGCONT)
+    raise AssertionError(f"never caught a horse holding a lease\n{stack.logs()}")
+
+
+def test_a_worker_killed_while_its_horse_holds_a_lease_loses_nothing(synth: tuple[Stack, Synthetic]) -> None:
     from app.main import create_app
+    from hsx.db.models import WorkUnit
+    from tests.test_faults import units
 
-    stack, _engine = synth
+    stack, engine = synth
+    db_url = stack.env["HSX_DATABASE_URL"]
     job_id, cap = consume_job(stack)
-    watch = BufferWatch(stack.env["HSX_DATABASE_URL"], job_id)
+    watch = BufferWatch(db_url, job_id)
     watch.start()
     worker = stack.start_worker()
     record = stack.tmp / "acked.jsonl"
     with serve_in_thread(create_app()) as api:
         reader = start_consumer(stack, api, job_id, record)
-        deadline = time.monotonic() + 120
-        while len(acked_samples(record)) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.killpg(worker.pid, signal.SIGKILL)  # the worker and its work horse, mid-job
-        worker.wait()
+        wait_until(lambda: len(acked_samples(record)) >= 4, 120, "two shards acknowledged", stack)
+        # The engine freezes, so the horse's next unit waits on it with its lease held: the kill comes
+        # mid-unit, not between units.
+        engine.stop()
+        held = kill_a_worker_whose_horse_holds_a_lease(stack, job_id, worker)
+        worker.wait(30)
+        dead = units(db_url, job_id)[held["index"]]
+        assert (dead["state"], dead["attempt"]) == ("leased", held["attempt"]), dead  # nobody committed it
+        end_lease(db_url, WorkUnit, held["id"], attempt=held["attempt"])
+        engine.resume()
         stack.start_worker()
         assert reader.wait(180) == 0, stack.logs()
     watch.stopped.set()
     doc = stack.job(job_id)
     assert doc["state"] == "succeeded", (doc, stack.logs())
-    assert sorted(acked_samples(record)) == list(range(SAMPLES))
+    redone = units(db_url, job_id)[held["index"]]
+    assert redone["state"] == "done" and redone["attempt"] > held["attempt"], (held, redone)
     assert watch.peak <= cap + largest_shard(stack, job_id), (watch.peak, cap)
+    assert_samples_as_written(stack, record)
 
 
 def test_a_consumer_that_never_returns_holds_the_job_and_nothing_unacknowledged_is_deleted(
     synth: tuple[Stack, Synthetic],
 ) -> None:
     from app.main import create_app
+    from hsx.jobs.queue import queued_wakeups
+    from workers.reconciler import reconcile_once
 
     stack, _engine = synth
     job_id, cap = consume_job(stack)
@@ -207,16 +301,14 @@ def test_a_consumer_that_never_returns_holds_the_job_and_nothing_unacknowledged_
         hung = start_consumer(stack, api, job_id, stack.tmp / "hung.jsonl", "--hold-after", "1")
         assert hung.stdout is not None
         json.loads(hung.stdout.readline())
-        doc: dict[str, Any] = {}
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            doc = stack.job(job_id)
-            if doc["stream"]["waiting_on_consumers"] and doc["stream"]["in_flight_bytes"] == 0:
-                break
-            time.sleep(0.2)
-        time.sleep(3)  # longer than a worker waits for room: it gave the job up, and nothing polls it
+        waiting = functools.partial(waiting_with_nothing_in_flight, stack, job_id)
+        wait_until(waiting, 60, "the job to wait on its consumer", stack)
+        # The worker gave the job up (its wait for room on Redis is over): it is idle, runs no work horse,
+        # and no wake-up is queued. A reconciler pass wakes nothing either: the cap is full.
+        wait_until(lambda: worker_idle(stack), 60, "the worker to give the job up", stack)
         doc = stack.job(job_id)
-        time.sleep(3)
+        assert reconcile_once(stack.settings)["woken"] == 0
+        assert queued_wakeups(stack.settings, job_id) == 0 and worker_idle(stack)
         later = stack.job(job_id)
         os.killpg(hung.pid, signal.SIGKILL)
         hung.wait()
@@ -229,23 +321,36 @@ def test_a_consumer_that_never_returns_holds_the_job_and_nothing_unacknowledged_
     shards = stack.client.get(f"/jobs/{job_id}/shards").json()["items"]
     on_disk = {s["path"] for s in shards if Path(s["path"]).exists()}
     assert len(on_disk) == len(shards) - 1 and len(on_disk) >= 1
-    from hsx.jobs.queue import queued_wakeups
 
-    assert queued_wakeups(stack.settings, job_id) == 0
+
+def waiting_with_nothing_in_flight(stack: Stack, job_id: str) -> bool:
+    stream = stack.job(job_id)["stream"]
+    return bool(stream["waiting_on_consumers"] and stream["in_flight_bytes"] == 0)
+
+
+def worker_idle(stack: Stack) -> bool:
+    """The stack's one worker is idle by RQ's registry and no job of its queue has started (no horse)."""
+    from rq.registry import StartedJobRegistry
+
+    from hsx.jobs.queue import idle_workers, queue_for
+
+    queue = queue_for(stack.settings)
+    return idle_workers(stack.settings) == 1 and StartedJobRegistry(queue=queue).count == 0
 
 
 def assert_streamed_exactly_once(stack: Stack, job_id: str, cap: int, peak: int, *records: Path) -> None:
-    """The job succeeded, every sample was acknowledged once (by the trainers' own account and by the
-    API's count of shards), the cap held, and no shard is left on disk."""
+    """The job succeeded, the API counts every shard acknowledged once, the cap held, the shards go from
+    the disk, and what the trainers acknowledged is every sample once, each as written (the dataset's
+    tokens, an uninterrupted run's states)."""
     doc = stack.job(job_id)
     assert doc["state"] == "succeeded", (doc, stack.logs())
-    samples = acked_samples(*records)
-    assert sorted(samples) == list(range(SAMPLES)) and doc["progress"]["samples_done"] == SAMPLES, samples
     consumers = stack.client.get(f"/jobs/{job_id}/consumers").json()["items"]
     assert sum(c["items_acked"] for c in consumers) == doc["shards"]["total"] == SAMPLES // 2, consumers
     assert doc["stream"]["items_acked"] == SAMPLES // 2 and doc["stream"]["buffered_bytes"] == 0
     assert peak <= cap + largest_shard(stack, job_id), (peak, cap)
-    assert not list(Path(doc["output_dir"]).glob("shard-*.safetensors"))
+    stack.wait_deleted(job_id)
+    wait_until(lambda: not shards_on_disk(doc), 30, "the acknowledged shards to go", stack)
+    assert_samples_as_written(stack, *records)
 
 
 def test_the_api_killed_and_restarted_while_trainers_stream_loses_nothing_and_repeats_nothing(

@@ -71,6 +71,7 @@ def test_dataloader_workers_split_a_running_job_and_ack_after_each_step(
     stream_doc = doc["stream"]
     assert stream_doc["items_acked"] == 6 and stream_doc["buffered_bytes"] == 0, stream_doc
     assert {c["name"] for c in stream_doc["consumers"]} == {"trainer-rank0-worker0", "trainer-rank0-worker1"}
+    stack.wait_deleted(job_id)
     assert not list(Path(doc["output_dir"]).glob("shard-*.safetensors"))  # acknowledged, so deleted
     assert 0 < max(shard_bytes) * 4 <= 110_000 < sum(shard_bytes), shard_bytes
 
@@ -148,6 +149,15 @@ def test_stream_clients_retry_an_unreachable_api_for_their_outage_window_and_a_4
         client._call("POST", "/flaky", {})
 
 
+def acked(stack: Stack, item_id: int) -> bool:
+    from hsx.db.session import session_scope
+    from hsx.streams.models import StreamItem
+
+    with session_scope(stack.env["HSX_DATABASE_URL"]) as session:
+        item = session.get(StreamItem, item_id)
+        return item is not None and item.acked_at is not None
+
+
 def committed_units(stack: Stack, job_id: str, units: int) -> None:
     deadline = time.monotonic() + 120
     while stack.job(job_id)["progress"]["units_done"] < units:
@@ -185,10 +195,12 @@ def test_a_delivery_another_consumer_acknowledged_meanwhile_is_skipped_not_raise
                 while time.time() <= float(item["lease_expires"]):  # the late trainer's lease runs out
                     time.sleep(0.05)
                 shard = Path(item["path"])
-                while shard.exists():  # the other consumer takes the item, uses it, acknowledges it
+                while not acked(stack, int(item["id"])):  # the other consumer takes it, uses it, acks it
                     sample = next(others)
                     other.ack([sample])
                     other_got.append(int(sample["index"]))
+                while shard.exists():  # and a worker deletes it
+                    time.sleep(0.05)
             return real_open(item, *args)
 
         monkeypatch.setattr(reader, "open_item", open_after_the_lease_ran_out)

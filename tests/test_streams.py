@@ -1,7 +1,7 @@
 """A consume job feeds consumers while it runs: each committed shard is delivered to one consumer at a time,
 re-delivered when a lease runs out, never again once acknowledged (the table refuses it), deleted only once
-acknowledged; the byte cap holds the workers back until consumers acknowledge, and an acknowledgement wakes
-them through the queue.
+acknowledged, and by the workers, never by the API; the byte cap holds the workers back until consumers
+acknowledge, and an acknowledgement wakes them through the queue.
 
 Real synthetic engine (a separate process), real PostgreSQL/SQLite and Redis; the job runner runs in this
 process as a work horse would, the API through its real app."""
@@ -73,6 +73,13 @@ def wakeups(stack: Stack, job_id: str) -> int:
     return queued_wakeups(stack.settings, job_id)
 
 
+def reconcile(stack: Stack) -> dict[str, int]:
+    """A pass of the reconciler, as a worker host runs it (it deletes acknowledged shards first)."""
+    from workers.reconciler import reconcile_once
+
+    return reconcile_once(stack.settings)
+
+
 def drain_wakeups(stack: Stack) -> None:
     from hsx.jobs.queue import queue_for
 
@@ -93,9 +100,12 @@ def test_a_consume_job_waits_at_its_cap_and_each_acknowledgement_lets_one_more_u
     reader = consumer(stack, job_id, name="rank0")
     other = consumer(stack, job_id, name="rank1")
     seen: list[int] = []
+    acked_path: Path | None = None
     for round_number in range(5):
         drain_wakeups(stack)
         outcome = run_worker(engine.url, job_id)
+        # The worker deleted the shard acknowledged in the last round before it claimed this one.
+        assert acked_path is None or not acked_path.exists()
         doc = stack.job(job_id)
         stream = doc["stream"]
         if round_number < 4:
@@ -109,20 +119,28 @@ def test_a_consume_job_waits_at_its_cap_and_each_acknowledgement_lets_one_more_u
         got = lease(stack, job_id, reader)
         assert len(got["items"]) == 1 and got["end_of_stream"] is False, got
         item = got["items"][0]
-        assert stream["buffered_bytes"] == item["bytes"] > 0
+        assert stream["buffered_bytes"] == stream["stored_bytes"] == item["bytes"] > 0
         # The other consumer gets nothing: the one committed shard is leased.
         assert lease(stack, job_id, other)["items"] == []
         manifest = manifest_for(doc)
         seen += [s.index for s in item_samples(item, manifest)]
         assert Path(item["path"]).exists()
         done = ack(stack, job_id, reader, [item])
-        assert done == {"acked": [item["id"]], "repeated": [], "refused": [], "deleted": 1}
-        # Acknowledged data is deleted; the acknowledgement woke a worker through the queue.
-        assert not Path(item["path"]).exists()
+        assert done == {"acked": [item["id"]], "repeated": [], "refused": []}
+        # The API recorded the acknowledgement and deleted nothing: the shard stays on disk, and counted,
+        # until a worker deletes it; the acknowledgement woke a worker through the queue.
+        acked_path = Path(item["path"])
+        assert acked_path.exists()
+        after = stack.job(job_id)["stream"]
+        assert after["buffered_bytes"] == 0 and after["stored_bytes"] == item["bytes"], after
         if round_number < 4:
             assert wakeups(stack, job_id) >= 1
             assert stack.job(job_id)["stream"]["waiting_on_consumers"] is False
     assert sorted(seen) == list(range(5))
+    # The job has succeeded: no worker claims again, and the reconciler deletes the last shard.
+    assert acked_path is not None and acked_path.exists()
+    assert reconcile(stack)["deleted"] == 1
+    assert not acked_path.exists() and stack.job(job_id)["stream"]["stored_bytes"] == 0
     end = lease(stack, job_id, other)
     assert end["items"] == [] and end["end_of_stream"] is True and end["job_state"] == "succeeded"
     listed = stack.client.get(f"/jobs/{job_id}/consumers").json()["items"]
@@ -184,7 +202,8 @@ def test_a_keep_job_can_be_followed_and_its_acknowledged_shards_stay(synth: tupl
     reader = consumer(stack, job_id)
     items = lease(stack, job_id, reader)["items"]
     assert len(items) == 2
-    assert ack(stack, job_id, reader, items)["deleted"] == 0
+    assert len(ack(stack, job_id, reader, items)["acked"]) == 2
+    assert reconcile(stack)["deleted"] == 0
     assert all(Path(i["path"]).exists() for i in items)
     stream = stack.job(job_id)["stream"]
     assert stream["retention"] == "keep" and stream["cap_bytes"] is None and stream["items_acked"] == 2
@@ -246,24 +265,31 @@ def test_a_worker_at_the_cap_blocks_until_an_acknowledgement_then_goes_on(
     assert stack.job(job_id)["state"] == "succeeded"
 
 
-def test_a_file_an_acknowledgement_left_behind_goes_at_the_next_call_and_nothing_else_does(
+def test_acknowledged_shards_go_at_the_reconciler_on_the_workers_host_and_nothing_else_does(
     synth: tuple[Stack, Synthetic],
 ) -> None:
-    from hsx.db.session import session_scope
-    from hsx.streams import repository
-
     stack, engine = synth
-    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 4)
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 6)
     job_id = stack.submit(data, samples_per_shard=2, retention="consume")["id"]
     run_worker(engine.url, job_id)
     reader = consumer(stack, job_id)
-    first, second = lease(stack, job_id, reader)["items"]
-    # The acknowledgement committed and the API died before it deleted the file.
-    with session_scope(stack.env["HSX_DATABASE_URL"]) as session:
-        assert repository.ack_item(session, job_id, reader, first["id"], first["delivery"], time.time()) > 0
-    assert Path(first["path"]).exists()
+    first, second, third = lease(stack, job_id, reader)["items"]
+    ack(stack, job_id, reader, [first, second])
+    # Leases and acknowledgements delete nothing; the shards count against the cap until they are gone.
     assert lease(stack, job_id, reader)["items"] == []
-    assert not Path(first["path"]).exists() and Path(second["path"]).exists()
+    assert Path(first["path"]).exists() and Path(second["path"]).exists()
+    assert stack.job(job_id)["stream"]["stored_bytes"] == first["bytes"] + second["bytes"] + third["bytes"]
+    # A host that does not see the job's output (here: moved away meanwhile) deletes and records nothing.
+    output = Path(first["path"]).parent
+    output.rename(output.with_name("elsewhere"))
+    assert reconcile(stack)["deleted"] == 0
+    output.with_name("elsewhere").rename(output)
+    # A pass that died after unlinking one file and before recording it: the next one records it.
+    Path(second["path"]).unlink()
+    assert reconcile(stack)["deleted"] == 2
+    assert not Path(first["path"]).exists() and Path(third["path"]).exists()
+    assert stack.job(job_id)["stream"]["stored_bytes"] == third["bytes"]
+    assert reconcile(stack)["deleted"] == 0
 
 
 def test_a_retried_acknowledgement_counts_once_and_a_lease_whose_answer_was_lost_comes_back_at_once(
@@ -296,10 +322,10 @@ def test_a_retried_acknowledgement_counts_once_and_a_lease_whose_answer_was_lost
     assert bounded.status_code == 422, bounded.text
     # The acknowledgement committed and its answer was lost: the retry is accepted, and counted once.
     first = ack(stack, job_id, reader, lost)
-    assert first == {"acked": [lost[0]["id"]], "repeated": [], "refused": [], "deleted": 1}
+    assert first == {"acked": [lost[0]["id"]], "repeated": [], "refused": []}
     retried = ack(stack, job_id, reader, lost + plain)
     assert retried["acked"] == [lost[0]["id"], plain[0]["id"]] and retried["repeated"] == [lost[0]["id"]]
-    assert retried["refused"] == [] and retried["deleted"] == 1
+    assert retried["refused"] == []
     # Another consumer naming the same delivery is refused.
     assert [r["id"] for r in ack(stack, job_id, other, lost)["refused"]] == [lost[0]["id"]]
     # The other consumer's lease runs out and the item comes back to it as a new delivery: its

@@ -1,9 +1,11 @@
 """Fail fast where the answer is known: with only an unfit engine configured, POST /jobs refuses the job with
 a 422 naming the preflight's failed checks, instead of queueing it to fail after HSX_NO_FIT_ENGINE_SECONDS.
-A fleet (HSX_ENGINE_FLEET=true), where other engines may join, keeps the wait, and the document says so."""
+A fleet (HSX_ENGINE_FLEET=true), where other engines may join, keeps the wait, and the document says so.
+``/readyz`` judges the engine as POST /jobs does: ready means a job would be accepted."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,16 @@ from tests.fixtures.stack import REPO, Stack, make_stack
 
 SHORT = REPO / "tests" / "data" / "short_chats.jsonl"
 postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+
+
+def settled_readyz(stack: Stack, timeout: float = 120.0) -> Any:
+    """/readyz once its preflight has a result: it answers "checking" while the preflight runs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ready = stack.client.get("/readyz")
+        if not ready.json()["checks"]["engine"].startswith("checking") or time.monotonic() > deadline:
+            return ready
+        time.sleep(0.2)
 
 
 def _nothing_queued(stack: Stack) -> None:
@@ -48,7 +60,38 @@ def test_a_prefix_cached_engine_is_refused_at_submit_naming_the_failed_checks(
 
 
 @postgres_only
+def test_readyz_is_unready_for_an_engine_that_post_jobs_refuses_and_names_the_failed_checks(
+    db_url: str, redis_url: str, engine_cache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stack = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch)
+    ready = settled_readyz(stack)
+    body = ready.json()
+    assert ready.status_code == 503 and body["ready"] is False, body
+    assert body["checks"] == {"database": "ok", "redis": "ok", "engine": body["checks"]["engine"]}, body
+    assert body["checks"]["engine"].startswith("unfit: the engine failed the preflight"), body
+    failed = body["engine_failed_checks"]
+    assert any(check.startswith("prefix_cache: expected off") for check in failed), failed
+    assert any(check.startswith("prompt_b.cached_tokens: expected 0") for check in failed), failed
+    # The same checks, the same answer as a submission gets.
+    refused = stack.client.post("/jobs", json={"dataset_uri": str(SHORT)})
+    assert (refused.status_code, refused.json()["error"]) == (422, "engine_unfit"), refused.text
+    assert all(check in refused.json()["detail"] for check in failed), (failed, refused.json())
+
+    # In a fleet a job is queued for other engines: ready, and the note says what this engine lacks.
+    monkeypatch.setenv("HSX_ENGINE_FLEET", "true")
+    get_settings.cache_clear()
+    fleet = stack.client.get("/readyz")
+    assert fleet.status_code == 200 and fleet.json()["checks"]["engine"] == "ok", fleet.text
+    assert "engine_failed_checks" not in fleet.json()
+    assert any(note.startswith("prefix cache on") for note in fleet.json()["engine_notes"]), fleet.text
+    assert stack.submit(SHORT)["state"] == "queued"
+
+
+@postgres_only
 def test_a_fit_engine_passes_and_the_document_says_what_a_job_would_wait_for(stack: Stack) -> None:
+    ready = settled_readyz(stack)
+    assert ready.status_code == 200 and ready.json()["checks"]["engine"] == "ok", ready.text
+    assert "engine_failed_checks" not in ready.json()
     job = stack.submit(SHORT)
     assert job["state"] == "queued"
     assert job["engine_wait"].startswith("single engine") and "refuses" in job["engine_wait"], job
@@ -109,3 +152,7 @@ def test_a_preflight_the_api_cannot_judge_refuses_nothing(
     assert stack.submit(SHORT)["state"] == "queued"
     [(key, (_, result))] = [(k, v) for k, v in admission._results.items() if k[1] == str(blind)]
     assert not result.refused and any(".dump" in failed for failed in result.failed), result
+    # Ready too, as the job was accepted; the notes say what the API could not check.
+    ready = settled_readyz(stack)
+    assert ready.status_code == 200 and ready.json()["checks"]["engine"] == "ok", ready.text
+    assert any(".dump" in note for note in ready.json()["engine_notes"]), ready.text

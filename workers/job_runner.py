@@ -44,7 +44,8 @@ from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
-from hsx.streams.contract import ClaimWait
+from hsx.streams.contract import CONSUME, ClaimWait
+from hsx.streams.deletion import delete_acknowledged_or_log
 from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
@@ -277,12 +278,19 @@ class JobRunner:
         self, job: JobView, processor: UnitProcessor, info: EngineInfo, max_units: int | None
     ) -> Outcome:
         done_here = 0
-        # Seconds before the next unit: claiming it, waiting for room under a consume job's cap, waking
-        # other workers. The unit's log line carries them beside its own (bench/harness.py's timeline).
-        before = {"claim_s": 0.0, "room_wait_s": 0.0, "wake_s": 0.0}
+        # Seconds before the next unit: deleting acknowledged shards, claiming it, waiting for room under a
+        # consume job's cap, waking other workers. The unit's log line carries them beside its own
+        # (bench/harness.py's timeline).
+        before = {"delete_s": 0.0, "claim_s": 0.0, "room_wait_s": 0.0, "wake_s": 0.0}
         while max_units is None or done_here < max_units:
             if SHUTDOWN.is_set():
                 return Outcome(f"stopping after {done_here} unit(s)", True)
+            if job.options.retention == CONSUME:
+                # This host holds the shards: it deletes what consumers acknowledged, which is what makes
+                # room under the cap (the API only records acknowledgements).
+                deleting = time.monotonic()
+                delete_acknowledged_or_log(self.db_url, self.job_id, self.settings)
+                before["delete_s"] += time.monotonic() - deleting
             claiming = time.monotonic()
             unit = retry_db(lambda: self._claim())
             before["claim_s"] += time.monotonic() - claiming
@@ -468,4 +476,4 @@ class JobRunner:
             log.warning("could not release unit %s: %s", unit.id, exc)
 
     def _commit(self, unit: ClaimedUnit, result: UnitResult, output_dir: str) -> bool:
-        return commit_unit(self.db_url, unit, result, output_dir)
+        return commit_unit(self.db_url, unit, result, output_dir, hooks=(stream_service.record_item,))

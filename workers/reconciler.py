@@ -22,6 +22,7 @@ from hsx.jobs.queue import wake_idle_workers
 from hsx.layout import parse_staged_shard_name
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
+from hsx.streams.deletion import delete_all_acknowledged
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,10 @@ def expire_leases_of(db_url: str, owner: str, reason: str = "", max_failures: in
 def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, int]:
     now = time.time() if now is None else now
     db_url = settings.resolved_database_url
-    stats = {"woken": 0, "finalized": 0, "published": 0, "temp_removed": 0, "dumps_removed": 0}
+    stats = {"woken": 0, "finalized": 0, "published": 0, "deleted": 0, "temp_removed": 0, "dumps_removed": 0}
+    # First, so the room it makes is counted below: the last shards of a job are acknowledged after it has
+    # succeeded, and a job whose workers all left at its cap has nobody else to delete them.
+    stats["deleted"] += delete_all_acknowledged(settings)
     with session_scope(db_url) as session:
         job_ids = queries.active_job_ids(session)
     for job_id in job_ids:
@@ -65,12 +69,7 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
             leased = {(u.unit_index, u.attempt) for u in queries.leased_units(session, job_id)}
         if state == JobState.running.value:
             stats["published"] += publish_stragglers(settings, job_id, now)
-        if (
-            state == JobState.running.value
-            and claimable == 0
-            and live == 0
-            and finalize_if_complete(db_url, job_id)
-        ):
+        if state == JobState.running.value and claimable == 0 and live == 0 and _finalize(db_url, job_id):
             stats["finalized"] += 1
             continue
         # Work is waiting and nothing in Redis may wake a worker for it (Redis lost it, a worker died,
@@ -81,6 +80,20 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
         stats["temp_removed"] += _remove_stale_temp(Path(output_dir), leased, now)
     stats["dumps_removed"] += _remove_stale_dumps(settings.resolved_dump_dir, now)
     return stats
+
+
+def _finalize(db_url: str, job_id: str) -> bool:
+    """Finalize a job whose units are all done; an unreachable store leaves it running for the next pass,
+    without cutting this pass short for the jobs after it."""
+    from hsx.storage import StorageError
+
+    try:
+        return finalize_if_complete(db_url, job_id)
+    except StorageError as exc:
+        if exc.error != "unreachable":
+            raise
+        log.warning("job %s: not finalized, its store is unreachable: %s", job_id, exc)
+        return False
 
 
 def wake_for_a_new_worker(settings: Settings) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from sqlalchemy.exc import OperationalError
@@ -14,7 +15,7 @@ from hsx import telemetry
 from hsx.db.session import retry_db, session_scope
 from hsx.faults import crash_point
 from hsx.jobs import repository as repo
-from hsx.jobs.repository import ClaimedUnit, ShardRow
+from hsx.jobs.repository import ClaimedUnit, CommitHook, ShardRow
 from hsx.layout import publish_file, shard_file_name, staged_shard_name
 from workers.shards import ShardWriteError, data_sha256
 from workers.unit_processor import UnitResult
@@ -30,7 +31,10 @@ def staged_path(output_dir: str, unit_index: int, attempt: int) -> Path:
     return Path(output_dir) / staged_shard_name(unit_index, attempt)
 
 
-def commit_unit(db_url: str, unit: ClaimedUnit, result: UnitResult, output_dir: str) -> bool:
+def commit_unit(
+    db_url: str, unit: ClaimedUnit, result: UnitResult, output_dir: str, hooks: Sequence[CommitHook] = ()
+) -> bool:
+    """``hooks`` run inside the commit's transaction (:data:`hsx.jobs.repository.CommitHook`)."""
     final = shard_path(output_dir, unit.unit_index)
     staged = staged_path(output_dir, unit.unit_index, unit.attempt)
     shard: ShardRow | None = None
@@ -63,6 +67,7 @@ def commit_unit(db_url: str, unit: ClaimedUnit, result: UnitResult, output_dir: 
                     result.tokens,
                     publish,
                     result.truncations,
+                    hooks,
                 )
         except OperationalError:
             # The commit may have landed before the connection dropped: ask before retrying.

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from hsx import engine_fitness
@@ -42,22 +44,69 @@ class Preflight:
         return "; ".join(self.failed)
 
 
-_results: dict[tuple[str, str, str], tuple[float, Preflight]] = {}
+Key = tuple[str, str, str]
+_results: dict[Key, tuple[float, Preflight]] = {}
 # One preflight at a time per API process: submissions that arrive meanwhile wait for it and share it.
 _lock = threading.Lock()
+# Preflights started for /readyz, which waits for one only a little while (see preflight_within).
+_pending: dict[Key, Future[Preflight]] = {}
+_pending_lock = threading.Lock()
+
+
+def _key(settings: Settings, info: EngineInfo) -> Key:
+    # The API's view of the dumps is part of what the result depends on.
+    return (settings.engine_url, settings.dump_dir, engine_fitness.identity_digest(info))
+
+
+def _kept(key: Key, settings: Settings) -> Preflight | None:
+    kept = _results.get(key)
+    if kept is not None and time.monotonic() - kept[0] < settings.submit_preflight_ttl_seconds:
+        return kept[1]
+    return None
 
 
 def preflight(settings: Settings, info: EngineInfo) -> Preflight:
     """The configured engine's preflight, run at most once per identity and TTL in this process."""
-    # The API's view of the dumps is part of what the result depends on.
-    key = (settings.engine_url, settings.dump_dir, engine_fitness.identity_digest(info))
+    key = _key(settings, info)
     with _lock:
-        kept = _results.get(key)
-        if kept is not None and time.monotonic() - kept[0] < settings.submit_preflight_ttl_seconds:
-            return kept[1]
+        kept = _kept(key, settings)
+        if kept is not None:
+            return kept
         result = _run(settings)
         _results[key] = (time.monotonic(), result)
         return result
+
+
+def preflight_within(settings: Settings, info: EngineInfo, wait_seconds: float) -> Preflight | None:
+    """The same preflight (and the same kept result) as :func:`preflight`, or None when it is not known
+    within ``wait_seconds``: a readiness probe must answer in a probe's time, while a preflight may take
+    many seconds on a loaded host. The preflight goes on in the background, one per identity, so a later
+    probe (or a submission) finds its result."""
+    key = _key(settings, info)
+    with _pending_lock:
+        future = _pending.get(key)
+        if future is None:
+            kept = _kept(key, settings)
+            if kept is not None:
+                return kept
+            future = _pending[key] = Future()
+            threading.Thread(
+                target=_settle, args=(future, key, settings, info), name="hsx-preflight", daemon=True
+            ).start()
+    try:
+        return future.result(timeout=wait_seconds)
+    except FutureTimeout:
+        return None
+
+
+def _settle(future: Future[Preflight], key: Key, settings: Settings, info: EngineInfo) -> None:
+    try:
+        future.set_result(preflight(settings, info))
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+        future.set_exception(exc)
+    finally:
+        with _pending_lock:
+            _pending.pop(key, None)
 
 
 def _run(settings: Settings) -> Preflight:

@@ -106,7 +106,6 @@ def acknowledge(
         acked=answer.acked,
         repeated=answer.repeated,
         refused=[schemas.RefusedAck(**r) for r in answer.refused],
-        deleted=answer.deleted,
     )
 
 

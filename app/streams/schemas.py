@@ -118,7 +118,6 @@ class AckOut(BaseModel):
         description="Deliveries this consumer does not hold (an older delivery of the item, or one leased "
         "to another consumer after this lease ran out)."
     )
-    deleted: int = Field(description="Shard files deleted (retention consume).")
 
 
 class StreamConsumerStatus(BaseModel):
@@ -134,6 +133,10 @@ class StreamStatus(BaseModel):
     retention: str
     cap_bytes: int | None = Field(description="consume: the byte cap; keep: none.")
     buffered_bytes: int = Field(description="Committed and not acknowledged.")
+    stored_bytes: int = Field(
+        description="Committed and not deleted yet: on the workers' disk, acknowledged shards the workers "
+        "have yet to delete included. The cap counts these plus the units in flight."
+    )
     in_flight_bytes: int = Field(description="Units workers hold now, at the expected unit size.")
     unit_bytes: int = Field(description="What one unit's shard is expected to take.")
     waiting_on_consumers: bool = Field(description="Work is left, and the cap holds it until consumers ack.")

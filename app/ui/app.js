@@ -186,12 +186,12 @@ async function loadJob(seq) {
     el("td", {}, u.lease_seconds_left === null ? "" : fmtSeconds(u.lease_seconds_left)))));
 }
 
-// A consume job (or one with consumers): buffered bytes against the cap, and who holds what.
+// A consume job (or one with consumers): bytes on disk (as the cap counts them) against the cap, and who holds what.
 function drawStream(stream) {
   const panel = document.getElementById("job-stream");
   panel.hidden = !stream;
   if (!stream) return;
-  const held = stream.buffered_bytes + stream.in_flight_bytes;
+  const held = stream.stored_bytes + stream.in_flight_bytes;
   const cap = stream.cap_bytes;
   const fraction = cap ? Math.min(held / cap, 1) : 0;
   const meter = document.getElementById("stream-buffer");

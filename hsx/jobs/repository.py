@@ -79,6 +79,21 @@ class ShardRow:
     header_sha256: str | None = None
 
 
+@dataclass(frozen=True)
+class CommittedUnit:
+    """What a commit hook is told of the unit being committed: the attempt, and its shard with the shard's
+    row id (both None for a unit that published no sample)."""
+
+    unit: ClaimedUnit
+    shard: ShardRow | None
+    shard_id: int | None
+
+
+# Runs inside a unit's commit transaction, after its results are written: what it writes commits with the
+# unit or not at all, and an exception it raises rolls the whole commit back.
+CommitHook = Callable[[Session, CommittedUnit], None]
+
+
 # --- jobs -----------------------------------------------------------------------------------------------
 
 
@@ -324,13 +339,15 @@ def commit_unit(
     tokens: int,
     publish: Callable[[], None],
     truncations: Sequence[TruncationRow] = (),
+    hooks: Sequence[CommitHook] = (),
 ) -> bool:
     """Record a unit's results once. The fenced UPDATE both checks that this attempt still owns an unexpired
     lease and takes the row's write lock, so ``publish`` (the shard's rename into place) runs while no
     other attempt can commit. Returns False, writing nothing, when the lease was lost.
 
     A retry unit replaces the rejections of the samples it re-ran in this same transaction: a sample is
-    never both published and rejected, and never published twice."""
+    never both published and rejected, and never published twice. ``hooks`` run last, in the same
+    transaction (:data:`CommitHook`)."""
     result = session.execute(
         update(WorkUnit)
         .where(held(unit, now))
@@ -350,20 +367,21 @@ def commit_unit(
         return False
     replaced = _take_back_rejections(session, unit)
     publish()
+    shard_row = None
     if shard is not None:
-        session.add(
-            Shard(
-                job_id=unit.job_id,
-                unit_id=unit.id,
-                key=f"{unit.job_id}/{unit.unit_index}",
-                path=shard.path,
-                sha256=shard.sha256,
-                header_sha256=shard.header_sha256,
-                bytes=shard.bytes,
-                samples=shard.samples,
-                tokens=shard.tokens,
-            )
+        shard_row = Shard(
+            job_id=unit.job_id,
+            unit_id=unit.id,
+            key=f"{unit.job_id}/{unit.unit_index}",
+            path=shard.path,
+            sha256=shard.sha256,
+            header_sha256=shard.header_sha256,
+            bytes=shard.bytes,
+            samples=shard.samples,
+            tokens=shard.tokens,
         )
+        session.add(shard_row)
+        session.flush()  # its id, for the hooks
     session.add_all(
         Rejection(
             job_id=unit.job_id,
@@ -400,6 +418,9 @@ def commit_unit(
         )
         .execution_options(synchronize_session=False)
     )
+    committed = CommittedUnit(unit, shard, None if shard_row is None else shard_row.id)
+    for hook in hooks:
+        hook(session, committed)
     return True
 
 

@@ -6,13 +6,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, exists, func, or_, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy import and_, exists, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
 from hsx.db.models import Job, Shard, UnitState, WorkUnit
+from hsx.streams.contract import CONSUME
 from hsx.streams.models import StreamConsumer, StreamItem
 
 
@@ -33,11 +32,18 @@ class LeasedItem:
 
 @dataclass(frozen=True)
 class ItemCounts:
+    """A job's items by where they stand, read in one statement (one snapshot, on every backend)."""
+
     ready: int  # committed, not acknowledged, not under a live lease
     leased: int
     acked: int
     ready_bytes: int
     leased_bytes: int
+    unacked_bytes: int  # committed, not acknowledged
+    stored_bytes: int  # committed, not deleted yet (acknowledged ones not deleted yet included)
+    acked_stored_bytes: int  # acknowledged, not deleted yet
+    largest_bytes: int  # the largest shard so far
+    live_units: int  # work units held under a live lease (their shards are being written)
 
 
 def add_consumer(session: Session, consumer: StreamConsumer) -> None:
@@ -66,18 +72,12 @@ def touch_consumer(session: Session, consumer_id: str, now: float) -> None:
     )
 
 
-def add_missing_items(session: Session, job_id: str) -> None:
-    """An item for every committed shard of the job that has none yet. Idempotent and race-safe: the
-    unique shard_id makes a concurrent insert of the same item a no-op."""
-    source = (
-        select(Shard.job_id, Shard.id, WorkUnit.unit_index, Shard.bytes)
-        .join(WorkUnit, Shard.unit_id == WorkUnit.id)
-        .where(Shard.job_id == job_id, ~exists().where(StreamItem.shard_id == Shard.id))
-    )
-    columns = ["job_id", "shard_id", "unit_index", "bytes"]
-    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+def add_item(session: Session, job_id: str, shard_id: int, unit_index: int, nbytes: int) -> None:
+    """The item of a shard, written in the transaction that commits the shard."""
     session.execute(
-        insert(StreamItem).from_select(columns, source).on_conflict_do_nothing(index_elements=["shard_id"])
+        insert(StreamItem).values(
+            job_id=job_id, shard_id=shard_id, unit_index=unit_index, bytes=nbytes, delivery=0
+        )
     )
 
 
@@ -254,8 +254,25 @@ def acked_undeleted(session: Session, job_id: str) -> list[tuple[int, str]]:
         select(StreamItem.id, Shard.path)
         .join(Shard, StreamItem.shard_id == Shard.id)
         .where(StreamItem.job_id == job_id, StreamItem.acked_at.is_not(None), StreamItem.deleted_at.is_(None))
+        .order_by(StreamItem.unit_index)
     ).all()
     return [(int(item_id), str(path)) for item_id, path in rows]
+
+
+def consume_jobs_with_acked_undeleted(session: Session) -> list[str]:
+    """Consume jobs, in any state, with acknowledged items whose shards are not known to be gone (a keep
+    job's acknowledged shards stay)."""
+    rows = session.scalars(
+        select(StreamItem.job_id)
+        .join(Job, Job.id == StreamItem.job_id)
+        .where(
+            StreamItem.acked_at.is_not(None),
+            StreamItem.deleted_at.is_(None),
+            Job.options["retention"].as_string() == CONSUME,
+        )
+        .distinct()
+    ).all()
+    return [str(job_id) for job_id in rows]
 
 
 def shard_deleted(session: Session, shard_id: int) -> bool:
@@ -273,66 +290,80 @@ def mark_deleted(session: Session, item_ids: Sequence[int], now: float) -> None:
     if item_ids:
         session.execute(
             update(StreamItem)
-            .where(StreamItem.id.in_(list(item_ids)), StreamItem.acked_at.is_not(None))
+            .where(
+                StreamItem.id.in_(list(item_ids)),
+                StreamItem.acked_at.is_not(None),
+                StreamItem.deleted_at.is_(None),
+            )
             .values(deleted_at=now)
             .execution_options(synchronize_session=False)
         )
 
 
 def item_counts(session: Session, job_id: str, now: float) -> ItemCounts:
-    """Items of the job by where they stand; shards committed since the last lease count as ready."""
+    """Items of the job by where they stand, and the units in flight, in one statement: every count is
+    of the same snapshot, so an acknowledgement committing meanwhile is counted once or not at all."""
     live = and_(StreamItem.consumer_id.is_not(None), StreamItem.lease_expires >= now)
+    unacked = StreamItem.acked_at.is_(None)
+    stored = StreamItem.deleted_at.is_(None)
+    live_units = (
+        select(func.count())
+        .select_from(WorkUnit)
+        .where(
+            WorkUnit.job_id == job_id,
+            WorkUnit.state == UnitState.leased.value,
+            WorkUnit.lease_expires >= now,
+        )
+        .scalar_subquery()
+    )
     row = session.execute(
         select(
-            func.count().filter(StreamItem.acked_at.is_not(None)),
+            func.count().filter(unacked),
             func.count().filter(live),
+            func.count().filter(StreamItem.acked_at.is_not(None)),
+            func.coalesce(func.sum(StreamItem.bytes).filter(unacked), 0),
             func.coalesce(func.sum(StreamItem.bytes).filter(live), 0),
+            func.coalesce(func.sum(StreamItem.bytes).filter(stored), 0),
+            func.coalesce(func.sum(StreamItem.bytes).filter(and_(stored, ~unacked)), 0),
+            func.coalesce(func.max(StreamItem.bytes), 0),
+            live_units,
         ).where(StreamItem.job_id == job_id)
     ).one()
-    acked, leased, leased_bytes = int(row[0]), int(row[1]), int(row[2])
-    shards, shard_bytes = session.execute(
-        select(func.count(), func.coalesce(func.sum(Shard.bytes), 0)).where(Shard.job_id == job_id)
-    ).one()
-    acked_bytes = acked_bytes_of(session, job_id)
+    unacked_n, leased, acked, unacked_bytes, leased_bytes, stored_bytes, acked_stored, largest, units = (
+        int(v or 0) for v in row
+    )
     return ItemCounts(
-        ready=int(shards) - acked - leased,
+        ready=unacked_n - leased,
         leased=leased,
         acked=acked,
-        ready_bytes=int(shard_bytes) - acked_bytes - leased_bytes,
+        ready_bytes=unacked_bytes - leased_bytes,
         leased_bytes=leased_bytes,
+        unacked_bytes=unacked_bytes,
+        stored_bytes=stored_bytes,
+        acked_stored_bytes=acked_stored,
+        largest_bytes=largest,
+        live_units=units,
     )
 
 
-def acked_bytes_of(session: Session, job_id: str) -> int:
+def buffered_bytes(session: Session, job_id: str) -> int:
+    """Committed shard bytes not acknowledged yet."""
     return int(
         session.scalar(
             select(func.coalesce(func.sum(StreamItem.bytes), 0)).where(
-                StreamItem.job_id == job_id, StreamItem.acked_at.is_not(None)
+                StreamItem.job_id == job_id, StreamItem.acked_at.is_(None)
             )
         )
         or 0
     )
 
 
-def buffered_bytes(session: Session, job_id: str) -> int:
-    """Committed shard bytes not acknowledged yet."""
-    committed = session.scalar(select(func.coalesce(func.sum(Shard.bytes), 0)).where(Shard.job_id == job_id))
-    return int(committed or 0) - acked_bytes_of(session, job_id)
-
-
-def largest_shard_bytes(session: Session, job_id: str) -> int:
-    return int(session.scalar(select(func.max(Shard.bytes)).where(Shard.job_id == job_id)) or 0)
-
-
-def live_unit_leases(session: Session, job_id: str, now: float) -> int:
+def stored_bytes(session: Session, job_id: str) -> int:
+    """Committed shard bytes not deleted yet: what the job holds on disk outside its units in flight."""
     return int(
         session.scalar(
-            select(func.count())
-            .select_from(WorkUnit)
-            .where(
-                WorkUnit.job_id == job_id,
-                WorkUnit.state == UnitState.leased.value,
-                WorkUnit.lease_expires >= now,
+            select(func.coalesce(func.sum(StreamItem.bytes), 0)).where(
+                StreamItem.job_id == job_id, StreamItem.deleted_at.is_(None)
             )
         )
         or 0
@@ -346,15 +377,24 @@ def job_options(session: Session, job_id: str) -> dict[str, Any] | None:
 
 def lock_job(session: Session, job_id: str) -> Job | None:
     """The job row, locked for this transaction, so claims of one consume job are decided one at a time
-    and two workers cannot both take the last room under the cap. A no-op UPDATE rather than SELECT FOR
-    UPDATE: on SQLite it takes the database's write lock (and a fresh snapshot) as well."""
-    session.execute(
-        update(Job)
-        .where(Job.id == job_id)
-        .values(updated_at=Job.updated_at)
-        .execution_options(synchronize_session=False)
-    )
+    and two workers cannot both take the last room under the cap. On SQLite the transaction is opened
+    here with BEGIN IMMEDIATE (the database's write lock, and a snapshot taken under it); on PostgreSQL
+    the row is locked with SELECT ... FOR UPDATE. Either way what is read after it is current."""
+    if session.get_bind().dialect.name == "sqlite":
+        begin_immediate(session)
+    else:
+        session.execute(select(Job.id).where(Job.id == job_id).with_for_update())
     return session.get(Job, job_id, populate_existing=True)
+
+
+def begin_immediate(session: Session) -> None:
+    """Open the session's SQLite transaction with BEGIN IMMEDIATE. It must be the transaction's first
+    statement: a transaction that has read or written already cannot take the lock and keep its view."""
+    connection = session.connection()
+    driver = connection.connection.driver_connection
+    if driver is not None and driver.in_transaction:
+        raise RuntimeError("BEGIN IMMEDIATE must open the transaction: this session has one already")
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def consumer_leases(session: Session, job_id: str, now: float) -> dict[str, tuple[int, int]]:
@@ -372,30 +412,16 @@ def consumer_leases(session: Session, job_id: str, now: float) -> dict[str, tupl
 
 
 def unacked_outside_group(session: Session, job_id: str, group_name: str, now: float) -> int:
-    """Committed shards neither acknowledged nor under a live lease of a consumer of this group: what a
-    consumer of the group may still be handed (now, or once another reader's lease runs out)."""
+    """Committed items neither acknowledged nor under a live lease of a consumer of this group: what a
+    consumer of the group may still be handed (now, or once another reader's lease runs out). One
+    statement, so under READ COMMITTED an acknowledgement committing meanwhile is seen on both sides of
+    the subtraction or on neither."""
     group = select(StreamConsumer.id).where(
         StreamConsumer.job_id == job_id, StreamConsumer.group_name == group_name
     )
-    held = int(
-        session.scalar(
-            select(func.count())
-            .select_from(StreamItem)
-            .where(
-                StreamItem.job_id == job_id,
-                StreamItem.consumer_id.in_(group),
-                StreamItem.lease_expires >= now,
-            )
-        )
-        or 0
-    )
-    shards = int(session.scalar(select(func.count()).select_from(Shard).where(Shard.job_id == job_id)) or 0)
-    acked = int(
-        session.scalar(
-            select(func.count())
-            .select_from(StreamItem)
-            .where(StreamItem.job_id == job_id, StreamItem.acked_at.is_not(None))
-        )
-        or 0
-    )
-    return shards - acked - held
+    unacked = StreamItem.acked_at.is_(None)
+    held = and_(unacked, StreamItem.consumer_id.in_(group), StreamItem.lease_expires >= now)
+    row = session.execute(
+        select(func.count().filter(unacked), func.count().filter(held)).where(StreamItem.job_id == job_id)
+    ).one()
+    return int(row[0] or 0) - int(row[1] or 0)

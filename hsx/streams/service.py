@@ -1,16 +1,15 @@
 """The rules of a job's stream: who may read it, what a lease hands out, what an acknowledgement frees,
 and whether a worker may claim another unit of a consume job (the byte cap). The API and the workers both
-call here; the queries are in :mod:`hsx.streams.repository`."""
+call here; the queries are in :mod:`hsx.streams.repository`. Nothing here touches the output: the API
+records acknowledgements, and the hosts that hold the shards delete them (:mod:`hsx.streams.deletion`)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -20,12 +19,13 @@ from hsx.errors import Conflict, NotFound
 from hsx.job_options import JobOptions
 from hsx.jobs import queries as job_queries
 from hsx.jobs import repository as jobs_repo
-from hsx.jobs.publication import destination_of, shard_key, shard_uri
+from hsx.jobs.publication import destination_of, shard_uri
+from hsx.jobs.repository import CommittedUnit
 from hsx.settings import Settings
 from hsx.streams import repository as repo
 from hsx.streams.contract import CONSUME, Budget
 from hsx.streams.models import StreamConsumer
-from hsx.streams.repository import LeasedItem
+from hsx.streams.repository import ItemCounts, LeasedItem
 from hsx.streams.room import signal_room
 
 log = logging.getLogger(__name__)
@@ -40,29 +40,45 @@ def cap_of(job: Job, settings: Settings) -> int:
     return JobOptions.from_stored(job.options).buffer_cap_bytes or settings.stream_buffer_cap_bytes
 
 
-def unit_bytes(session: Session, job: Job) -> int:
+def unit_bytes(job: Job, counts: ItemCounts) -> int:
     """What one unit's shard is expected to take: the projection's share per unit, or the largest shard
     committed so far when that is more (a projection from a sample of records is an estimate)."""
     projected = (job.projection or {}).get("bytes") or 0
     share = -(-int(projected) // job.units_total) if job.units_total else 0
-    return max(share, repo.largest_shard_bytes(session, job.id))
+    return max(share, counts.largest_bytes)
 
 
 def budget(session: Session, job: Job, settings: Settings, now: float) -> Budget | None:
     """A consume job's bytes as the claim rule counts them; None for a job that keeps its output."""
     if retention_of(job.options) != CONSUME:
         return None
+    return budget_of(job, settings, repo.item_counts(session, job.id, now))
+
+
+def budget_of(job: Job, settings: Settings, counts: ItemCounts) -> Budget:
     return Budget(
         cap_bytes=cap_of(job, settings),
-        buffered_bytes=repo.buffered_bytes(session, job.id),
-        leased_units=repo.live_unit_leases(session, job.id, now),
-        unit_bytes=unit_bytes(session, job),
+        stored_bytes=counts.stored_bytes,
+        acked_stored_bytes=counts.acked_stored_bytes,
+        leased_units=counts.live_units,
+        unit_bytes=unit_bytes(job, counts),
     )
 
 
-def may_claim(session: Session, job_id: str, settings: Settings, now: float) -> bool:
+def record_item(session: Session, committed: CommittedUnit) -> None:
+    """A unit-commit hook (:func:`hsx.jobs.repository.commit_unit`): the committed shard's stream item,
+    written in the same transaction, so every committed shard is an item the moment it is visible."""
+    if committed.shard_id is not None and committed.shard is not None:
+        unit = committed.unit
+        repo.add_item(session, unit.job_id, committed.shard_id, unit.unit_index, committed.shard.bytes)
+
+
+def may_claim(
+    session: Session, job_id: str, settings: Settings, now: float, *, once_deleted: bool = False
+) -> bool:
     """Called in the claim's own transaction: the job row is locked first, so claims of one consume job
-    are decided one after another and the cap holds with any number of workers."""
+    are decided one after another and the cap holds with any number of workers. ``once_deleted``: would
+    one fit once the acknowledged shards are deleted (whether a wake-up is worth sending)."""
     options = repo.job_options(session, job_id)
     if options is None or retention_of(options) != CONSUME:
         return options is not None  # a keep job's claims take no lock
@@ -70,15 +86,22 @@ def may_claim(session: Session, job_id: str, settings: Settings, now: float) -> 
     if job is None:
         return False
     room = budget(session, job, settings, now)
-    return room is None or room.may_claim()
+    if room is None:
+        return True
+    return room.may_claim_once_deleted() if once_deleted else room.may_claim()
 
 
 def waiting_on_consumers(session: Session, job: Job, settings: Settings, now: float) -> bool:
-    """Work is left to claim and the cap holds it back until consumers acknowledge."""
+    """Work is left to claim and the cap holds it back until consumers acknowledge (acknowledged shards
+    not deleted yet hold nothing back for long: the next worker to claim deletes them first)."""
     if job.state != JobState.running.value:
         return False
     room = budget(session, job, settings, now)
-    return room is not None and not room.may_claim() and job_queries.claimable_count(session, job.id, now) > 0
+    return (
+        room is not None
+        and not room.may_claim_once_deleted()
+        and job_queries.claimable_count(session, job.id, now) > 0
+    )
 
 
 def wakeable_units(session: Session, job_id: str, settings: Settings, now: float) -> int:
@@ -111,7 +134,6 @@ class AckAnswer:
     # Deliveries this consumer does not hold (another delivery of the item, or another consumer's): not
     # counted, and the item's fate is the other delivery's.
     refused: list[dict[str, Any]] = field(default_factory=list)
-    deleted: int = 0
 
 
 class StreamService:
@@ -175,7 +197,6 @@ class StreamService:
             # A trainer must never take a failed job for the end of its data: it is told, and given nothing.
             self.session.commit()
             return LeaseAnswer(job.state, [], False, job.error)
-        repo.add_missing_items(self.session, job_id)
         # A job published to an object store hands out a shard once it is there, and says where.
         destination = destination_of(job, self.settings)
         items = (
@@ -203,16 +224,14 @@ class StreamService:
             and repo.unacked_outside_group(self.session, job_id, consumer.group_name, now) == 0
         )
         self.session.commit()
-        if retention_of(job.options) == CONSUME:
-            # Files an acknowledgement could not delete (a crash between its commit and the unlink).
-            delete_acknowledged(self.session, job, self.settings)
         return LeaseAnswer(job.state, items, end, job.error)
 
     def ack(self, job_id: str, consumer_id: str, deliveries: list[tuple[int, int]]) -> AckAnswer:
-        """Acknowledge deliveries (item id, delivery); in consume mode their shards are deleted once the
-        acknowledgement has committed, so a crash in between leaves a file to delete, never a lost one. A
-        delivery this consumer acknowledged before is accepted again and counted once: a client retries an
-        acknowledgement whose answer it did not get, and must not be told that a committed one failed."""
+        """Acknowledge deliveries (item id, delivery). Only recorded: in consume mode the workers delete the
+        acknowledged shards where they live (this process may see the output read-only, or not at all),
+        and wake-ups go out when that deletion would make room under the cap. A delivery this consumer
+        acknowledged before is accepted again and counted once: a client retries an acknowledgement whose
+        answer it did not get, and must not be told that a committed one failed."""
         job = self._job(job_id)
         consumer = self._consumer(job_id, consumer_id)
         now = time.time()
@@ -235,11 +254,9 @@ class StreamService:
         repo.count_acks(self.session, consumer.id, fresh, nbytes)
         repo.touch_consumer(self.session, consumer.id, now)
         self.session.commit()
-        if retention_of(job.options) == CONSUME:
-            answer.deleted = delete_acknowledged(self.session, job, self.settings)
-            if fresh and job.state == JobState.running.value:
-                signal_room(self.settings, job_id, fresh)
-                wake_workers(self.settings, self.session, job_id)
+        if fresh and retention_of(job.options) == CONSUME and job.state == JobState.running.value:
+            signal_room(self.settings, job_id, fresh)
+            wake_workers(self.settings, self.session, job_id)
         return answer
 
     def close(self, job_id: str, consumer_id: str) -> int:
@@ -252,41 +269,16 @@ class StreamService:
         return released
 
 
-def delete_acknowledged(session: Session, job: Job, settings: Settings) -> int:
-    """Delete the shard files of acknowledged items (and only those), and their objects when the job is
-    published to an object store, then record that they are gone. An object the store would not delete
-    stays recorded as not gone, so the next lease or acknowledgement call tries again."""
-    acked = repo.acked_undeleted(session, job.id)
-    for _item_id, path in acked:
-        with contextlib.suppress(FileNotFoundError):
-            Path(path).unlink()
-    gone = [item_id for item_id, _path in acked]
-    destination = destination_of(job, settings)
-    if destination and acked:
-        from hsx.storage import StorageError
-        from hsx.storage.publish import delete_objects
-
-        relative = {shard_key(job.output_dir, path): item_id for item_id, path in acked}
-        try:
-            deleted = set(delete_objects(destination, list(relative), settings))
-        except StorageError as exc:
-            log.warning("job %s: acknowledged objects not deleted yet: %s", job.id, exc)
-            deleted = set()
-        gone = [item_id for key, item_id in relative.items() if key in deleted]
-    repo.mark_deleted(session, gone, time.time())
-    session.commit()
-    return len(gone)
-
-
 def wake_workers(settings: Settings, session: Session, job_id: str) -> None:
-    """Acknowledgements made room under the cap: wake idle workers for the job (after the commit; a lost
-    wake-up is repaired by the reconciler, which wakes a consume job whenever it may claim)."""
+    """Acknowledgements made room under the cap once their shards are deleted: wake idle workers for the
+    job, which delete them and claim (after the commit; a lost wake-up is repaired by the reconciler, which
+    deletes acknowledged shards and wakes a consume job whenever it may claim)."""
     from hsx.jobs.queue import wake_idle_workers
 
     now = time.time()
     try:
         claimable = job_queries.claimable_count(session, job_id, now)
-        if claimable and may_claim(session, job_id, settings, now):
+        if claimable and may_claim(session, job_id, settings, now, once_deleted=True):
             session.rollback()  # drop the row lock before talking to Redis
             wake_idle_workers(settings, job_id, claimable)
         else:
@@ -310,6 +302,7 @@ class StreamStatus:
     retention: str
     cap_bytes: int | None
     buffered_bytes: int
+    stored_bytes: int
     in_flight_bytes: int
     unit_bytes: int
     waiting_on_consumers: bool
@@ -323,18 +316,26 @@ class StreamStatus:
 def status(session: Session, job: Job, settings: Settings, now: float) -> StreamStatus | None:
     """A job's stream as ``GET /jobs/{id}`` shows it; None for a keep job nobody reads."""
     consumers = repo.list_consumers(session, job.id)
-    room = budget(session, job, settings, now)
-    if room is None and not consumers:
+    consume = retention_of(job.options) == CONSUME
+    if not consume and not consumers:
         return None
     counts = repo.item_counts(session, job.id, now)
+    room = budget_of(job, settings, counts) if consume else None
     leases = repo.consumer_leases(session, job.id, now)
+    waiting = (
+        room is not None
+        and job.state == JobState.running.value
+        and not room.may_claim_once_deleted()
+        and job_queries.claimable_count(session, job.id, now) > 0
+    )
     return StreamStatus(
         retention=retention_of(job.options),
         cap_bytes=None if room is None else room.cap_bytes,
-        buffered_bytes=repo.buffered_bytes(session, job.id) if room is None else room.buffered_bytes,
+        buffered_bytes=counts.unacked_bytes,
+        stored_bytes=counts.stored_bytes,
         in_flight_bytes=0 if room is None else room.in_flight_bytes,
-        unit_bytes=unit_bytes(session, job) if room is None else room.unit_bytes,
-        waiting_on_consumers=waiting_on_consumers(session, job, settings, now),
+        unit_bytes=unit_bytes(job, counts),
+        waiting_on_consumers=waiting,
         items_ready=counts.ready,
         items_leased=counts.leased,
         items_acked=counts.acked,

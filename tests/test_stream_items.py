@@ -1,0 +1,215 @@
+"""A stream item is written by the unit's commit, in its transaction (a commit hook): it exists the moment
+its shard does, and a commit that fails writes neither. The end-of-stream rule holds while
+acknowledgements race it on PostgreSQL (READ COMMITTED); shards committed before items were written at
+commit get theirs from the migration; SQLite's claim check opens its transaction with BEGIN IMMEDIATE.
+
+Real PostgreSQL and SQLite; units are committed through the job repository as a worker commits them, with
+shard rows whose files these tests never read."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.fixtures.jobs import running_job
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from hsx.jobs.repository import CommitHook, CommittedUnit
+
+
+def commit_units(db_url: str, job_id: str, count: int, hooks: Sequence[CommitHook] | None = None) -> None:
+    """Claim and commit ``count`` units of the job as a worker does, each with a shard row, through the
+    stream's commit hook."""
+    from hsx.db.session import session_scope
+    from hsx.jobs import repository as repo
+    from hsx.streams.service import record_item
+
+    for _ in range(count):
+        with session_scope(db_url) as session:
+            unit = repo.claim_unit(session, job_id, "host:1@http://engine", 60, time.time())
+        assert unit is not None
+        with session_scope(db_url) as session:
+            shard = repo.ShardRow(f"/nowhere/{job_id}/shard-{unit.unit_index:05d}", "0" * 64, 1000, 4, 40)
+            chosen = (record_item,) if hooks is None else hooks
+            assert repo.commit_unit(session, unit, time.time(), shard, [], 4, 40, lambda: None, (), chosen)
+
+
+def items_of(db_url: str, job_id: str) -> list[tuple[int, int, int]]:
+    from sqlalchemy import select
+
+    from hsx.db.models import Shard
+    from hsx.db.session import session_scope
+    from hsx.streams.models import StreamItem
+
+    with session_scope(db_url) as session:
+        rows = session.execute(
+            select(StreamItem.unit_index, StreamItem.bytes, Shard.id)
+            .join(Shard, Shard.id == StreamItem.shard_id)
+            .where(StreamItem.job_id == job_id)
+            .order_by(StreamItem.unit_index)
+        ).all()
+    return [(int(u), int(b), int(s)) for u, b, s in rows]
+
+
+def test_a_units_commit_writes_its_item_and_a_commit_that_fails_writes_neither(
+    db_url: str, tmp_path: Path
+) -> None:
+    from sqlalchemy import func, select
+
+    from hsx.db.models import Shard, UnitState, WorkUnit
+    from hsx.db.session import session_scope
+    from hsx.jobs import repository as repo
+
+    job_id = running_job(db_url, tmp_path / "out", units=3)
+    commit_units(db_url, job_id, 2)
+    # Before any consumer asked: every committed shard is an item already, with its unit and size.
+    assert [(u, b) for u, b, _ in items_of(db_url, job_id)] == [(0, 1000), (1, 1000)]
+
+    def refuse(_session: Session, _committed: CommittedUnit) -> None:
+        raise RuntimeError("a hook refused")
+
+    with pytest.raises(RuntimeError, match="a hook refused"):
+        commit_units(db_url, job_id, 1, hooks=(refuse,))
+    with session_scope(db_url) as session:
+        assert session.scalar(select(func.count()).select_from(Shard).where(Shard.job_id == job_id)) == 2
+        last = session.scalars(
+            select(WorkUnit).where(WorkUnit.job_id == job_id, WorkUnit.unit_index == 2)
+        ).one()
+        assert last.state == UnitState.leased.value  # the commit rolled back whole: the unit is not done
+        job = repo.get_job(session, job_id)
+        assert job is not None and job.units_done == 2
+    assert len(items_of(db_url, job_id)) == 2
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_the_stream_never_ends_early_while_acknowledgements_race_the_end_of_stream_check(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A reader of another group holds one item for good, so the stream must stay open for this group
+    whatever it acknowledges meanwhile. Four threads acknowledge the group's items one per transaction
+    while another asks, again and again, what is left outside the group and whether the stream ended."""
+    from hsx.db.models import JobState
+    from hsx.db.session import session_scope
+    from hsx.jobs import repository as repo
+    from hsx.settings import get_settings
+    from hsx.streams import repository as streams
+    from hsx.streams.service import StreamService
+
+    units = 160
+    job_id = running_job(db_url, tmp_path / "out", units=units)
+    commit_units(db_url, job_id, units)
+    with session_scope(db_url) as session:
+        assert repo.set_job_state(session, job_id, JobState.succeeded, [JobState.running.value])
+    settings = get_settings()
+    with session_scope(db_url) as session:
+        service = StreamService(session, settings)
+        outsider = service.register(job_id, "outsider", 3600, group="other").id
+        holder = service.register(job_id, "holder", 3600, group="trainer").id
+        asker = service.register(job_id, "asker", 3600, group="trainer").id
+        assert len(service.lease(job_id, outsider, 1).items) == 1
+        held = service.lease(job_id, holder, units).items
+    assert len(held) == units - 1
+    done = threading.Event()
+    seen: list[int] = []
+    ended: list[bool] = []
+
+    def ack(part: list[tuple[int, int]]) -> None:
+        for delivery in part:
+            with session_scope(db_url) as session:
+                assert StreamService(session, settings).ack(job_id, holder, [delivery]).acked
+
+    def ask() -> None:
+        while not done.is_set():
+            with session_scope(db_url) as session:
+                seen.append(streams.unacked_outside_group(session, job_id, "trainer", time.time()))
+            with session_scope(db_url) as session:
+                ended.append(StreamService(session, settings).lease(job_id, asker, 1).end_of_stream)
+
+    deliveries = [(i.id, i.delivery) for i in held]
+    ackers = [threading.Thread(target=ack, args=(deliveries[n::4],)) for n in range(4)]
+    asker_thread = threading.Thread(target=ask)
+    asker_thread.start()
+    for thread in ackers:
+        thread.start()
+    for thread in ackers:
+        thread.join(120)
+    done.set()
+    asker_thread.join(30)
+    assert len(seen) > 20, len(seen)  # the checks ran while the acknowledgements did
+    assert set(seen) == {1}, sorted(set(seen))
+    assert not any(ended)
+    with session_scope(db_url) as session:
+        assert streams.item_counts(session, job_id, time.time()).acked == units - 1
+
+
+def test_shards_committed_before_items_were_written_at_commit_get_theirs_from_the_migration(
+    tmp_path: Path,
+) -> None:
+    from sqlalchemy import text
+
+    from hsx.db.migrate import upgrade
+    from hsx.db.session import session_scope
+
+    url = f"sqlite:///{tmp_path / 'old.sqlite3'}"
+    upgrade(url, "0005_unit_publication")
+    job_id = running_job(url, tmp_path / "out", units=3)
+    with session_scope(url) as session:
+        for unit_index in (0, 2):  # two units committed by the older version: shards, no items
+            unit_id = session.execute(
+                text("SELECT id FROM work_units WHERE job_id = :j AND unit_index = :u"),
+                {"j": job_id, "u": unit_index},
+            ).scalar_one()
+            row = {"j": job_id, "u": unit_id, "k": f"{job_id}/{unit_index}", "p": f"/old/{unit_index}"}
+            session.execute(
+                text(
+                    "INSERT INTO shards (job_id, unit_id, key, path, sha256, bytes, samples, tokens, "
+                    "created_at) VALUES (:j, :u, :k, :p, :h, :b, 4, 40, CURRENT_TIMESTAMP)"
+                ),
+                {**row, "h": "0" * 64, "b": 100 + unit_index},
+            )
+    upgrade(url)
+    assert [(u, b) for u, b, _ in items_of(url, job_id)] == [(0, 100), (2, 102)]
+    upgrade(url)  # a second run adds nothing
+    assert len(items_of(url, job_id)) == 2
+
+
+def test_sqlites_claim_check_takes_the_write_lock_as_its_transaction_opens(tmp_path: Path) -> None:
+    from sqlalchemy import update
+
+    from hsx.db.migrate import upgrade
+    from hsx.db.models import Job
+    from hsx.db.session import session_scope
+    from hsx.settings import get_settings
+    from hsx.streams import repository as streams
+    from hsx.streams.service import may_claim
+
+    path = tmp_path / "claims.sqlite3"
+    url = f"sqlite:///{path}"
+    upgrade(url)
+    job_id = running_job(url, tmp_path / "out", units=2)
+    with session_scope(url) as session:
+        session.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(options={"retention": "consume", "buffer_cap_bytes": 1})
+        )
+    with session_scope(url) as session:
+        assert may_claim(session, job_id, get_settings(), time.time())
+        # Until this transaction ends, no other writer gets in: the check and the claim after it see the
+        # database as it is, and two workers cannot both take the last room under the cap.
+        other = sqlite3.connect(path, timeout=0, isolation_level=None)
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            other.execute("BEGIN IMMEDIATE")
+        other.close()
+    with session_scope(url) as session:
+        streams.touch_consumer(session, "nobody", 0.0)  # a write: this transaction is open already
+        with pytest.raises(RuntimeError, match="BEGIN IMMEDIATE must open the transaction"):
+            streams.lock_job(session, job_id)
