@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             if doc["state"] != "succeeded":
                 raise SystemExit(f"job {doc['state']}: {doc.get('error')}")
             job = job_rate(doc)
-            timeline = job_timeline(stack.local.log_dir / "workers.log", doc)
+            timeline = job_timeline(stack.local.log_dir / "workers.log", doc, args.processes)
             plain_after, captured_after, disk_after = baselines()
             plain, disk = mean([plain_before, plain_after]), mean([disk_before, disk_after])
             captured = mean([captured_before, captured_after])

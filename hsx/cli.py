@@ -261,7 +261,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-BENCHES = ("pipeline", "e2e", "memory", "api", "scale", "submit", "stream", "fp8", "fp8_error", "regenerate")
+BENCHES = (
+    "pipeline",
+    "e2e",
+    "memory",
+    "api",
+    "scale",
+    "submit",
+    "stream",
+    "fp8",
+    "fp8_error",
+    "regenerate",
+    "long",
+)
 
 
 def cmd_bench(argv: list[str]) -> int:

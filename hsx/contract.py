@@ -149,6 +149,13 @@ class EngineInfo:
     extra: dict[str, Any] = field(default_factory=dict)
     # The most positions a prompt may have (the model's context length); None when the engine does not say.
     context_length: int | None = None
+    # The longest prompt a prefill takes (SGLang: its context length and its KV pool, less the one token a
+    # prefill generates), and the largest dump the engine can write (its dump directory's file system;
+    # SGLang: also the host memory a chunked prompt is reassembled in). None where the engine does not say
+    # (then ``context_length`` bounds the prompt). A worker rejects a longer or larger sample up front,
+    # with the reason, instead of sending it.
+    max_prompt_tokens: int | None = None
+    max_dump_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -162,6 +169,20 @@ class EngineInfo:
     def from_dict(cls, raw: Mapping[str, Any]) -> EngineInfo:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def dump_dir_capacity(dump_dir: str) -> int | None:
+    """The size of the file system ``dump_dir`` is on (bytes): no dump larger than that can land there."""
+    try:
+        stats = os.statvfs(dump_dir)
+    except OSError:
+        return None
+    return stats.f_blocks * stats.f_frsize or None
+
+
+def dump_bytes(tokens: int, hidden_size: int, tensors: int, itemsize: int) -> int:
+    """A dump's size without its header: ``input_ids`` (int32) and ``tensors`` states of [tokens, hidden]."""
+    return tokens * (4 + tensors * hidden_size * itemsize)
 
 
 def generate_body(input_ids: Sequence[int], rid: str, extra_key: str | None = None) -> dict[str, Any]:

@@ -38,6 +38,9 @@ ENGINE_TIMEOUT: Final = "engine_timeout"
 TOO_LONG: Final = "too_long"
 # The dump's states are not in the dtype the engine reports: the engine is unfit, not the sample.
 DTYPE_MISMATCH: Final = "dtype_mismatch"
+# The sample's dump is larger than the engine says it can write (EngineInfo.max_dump_bytes): rejected
+# before it is sent, where the engine would answer and no dump would ever come.
+DUMP_TOO_LARGE: Final = "dump_too_large"
 REASONS: Final = (
     CACHED_TOKENS,
     TOKEN_COUNT,
@@ -63,6 +66,7 @@ RETRIABLE_REASONS: Final = frozenset(
         DUMP_MISSING,
         ENGINE_TIMEOUT,
         DTYPE_MISMATCH,
+        DUMP_TOO_LARGE,  # an engine with a larger dump directory, or more memory, can take it
     }
 )
 

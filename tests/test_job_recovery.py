@@ -111,9 +111,14 @@ def test_each_committed_unit_logs_where_its_time_went(
     units = [r for r in caplog.records if getattr(r, "tail_s", None) is not None]
     assert len(claims) == len(units) == 2
     for record in units:
-        timing = {name: getattr(record, name) for name in ("waiting_s", "copying_s", "closing_s", "commit_s")}
+        names = ("claim_s", "room_wait_s", "waiting_s", "copying_s", "write_s", "closing_s", "fsync_s")
+        timing = {name: getattr(record, name) for name in (*names, "commit_s")}
         assert all(value >= 0 for value in timing.values()), timing
-        assert timing["copying_s"] > 0 and timing["commit_s"] > 0, timing
+        assert timing["copying_s"] > 0 and timing["commit_s"] > 0 and timing["claim_s"] > 0, timing
+        # Writing is part of the copy, the fsync part of the closing; a keep job never waits for room.
+        assert timing["write_s"] <= timing["copying_s"], timing
+        assert timing["fsync_s"] <= timing["closing_s"], timing
+        assert timing["room_wait_s"] == 0, timing
         # From the last answer to the commit: at least the copy of that sample and the commit.
         assert record.tail_s >= timing["commit_s"], (record.tail_s, timing)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -184,6 +186,23 @@ def test_deterministic_inference_is_let_through_and_makes_the_seed_count() -> No
     assert launch_problems(server_args, env={}) == []
     info, _ = launcher.build_info(ns, server_args, "/dumps", "0.5.17")
     assert info.extra[engine_contract.SEEDED_SAMPLING] is True
+
+
+def test_hsx_info_says_how_long_a_prompt_and_how_large_a_dump_the_engine_takes(tmp_path: Path) -> None:
+    class LongModelConfig(FakeModelConfig):
+        context_len = 133120
+
+    ns, _ = split_args([])
+    args = fake_server_args(get_model_config=LongModelConfig)
+    info, _ = launcher.build_info(ns, args, str(tmp_path), "0.5.17")
+    # SGLang's scheduler refuses max_req_input_len = context - 1 - 5 tokens and more.
+    assert info.context_length == 133120 and info.max_prompt_tokens == 133120 - 7
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    capacity = contract.dump_dir_capacity(str(tmp_path))
+    assert capacity and info.max_dump_bytes == min(capacity, memory // 2)
+    # No context length reported: nothing said of the prompt either.
+    info, _ = launcher.build_info(ns, fake_server_args(), str(tmp_path), "0.5.17")
+    assert info.context_length is None and info.max_prompt_tokens is None
 
 
 def test_bad_aux_layers_are_refused() -> None:

@@ -110,6 +110,10 @@ class JobView:
         )
 
 
+def _rounded(timing: dict[str, float]) -> dict[str, float]:
+    return {name: round(value, 3) for name, value in timing.items()}
+
+
 def load_tokenizer(path: str) -> Any:
     """One tokenizer per path for the life of the process (a work horse runs many units)."""
     if path not in _TOKENIZERS:
@@ -286,28 +290,46 @@ class JobRunner:
         self, job: JobView, processor: UnitProcessor, info: EngineInfo, max_units: int | None
     ) -> Outcome:
         done_here = 0
+        # Seconds before the next unit: deleting acknowledged shards, claiming it, waiting for room under a
+        # consume job's cap, waking other workers. The unit's log line carries them beside its own
+        # (bench/harness.py's timeline).
+        before = {"delete_s": 0.0, "claim_s": 0.0, "room_wait_s": 0.0, "wake_s": 0.0}
         while max_units is None or done_here < max_units:
             if SHUTDOWN.is_set():
                 return Outcome(f"stopping after {done_here} unit(s)", True)
             if job.options.retention == CONSUME:
                 # This host holds the shards: it deletes what consumers acknowledged, which is what makes
                 # room under the cap (the API only records acknowledgements).
+                deleting = time.monotonic()
                 delete_acknowledged_or_log(self.db_url, self.job_id, self.settings)
+                before["delete_s"] += time.monotonic() - deleting
+            claiming = time.monotonic()
             unit = retry_db(lambda: self._claim())
+            before["claim_s"] += time.monotonic() - claiming
             if isinstance(unit, ClaimWait):
-                if wait_for_room(self.settings, self.job_id, self.settings.stream_room_wait_seconds):
+                waiting = time.monotonic()
+                room = wait_for_room(self.settings, self.job_id, self.settings.stream_room_wait_seconds)
+                before["room_wait_s"] += time.monotonic() - waiting
+                if room:
                     continue
                 # No wake-up is queued: the acknowledgement that makes room wakes a worker (backpressure).
-                return Outcome(f"{done_here} unit(s); waiting for consumers under the byte cap", False)
+                summary = f"{done_here} unit(s); waiting for consumers under the byte cap"
+                with log_context(job_id=self.job_id):
+                    log.info("job %s: %s", self.job_id, summary, extra=_rounded(before))
+                return Outcome(summary, False)
             if unit is None:
                 finished = retry_db(lambda: self._finalize())
                 return Outcome(f"{done_here} unit(s); no unit left to claim", not finished)
             crash_point("after_claim")
+            waking = time.monotonic()
             self._wake_more()
+            before["wake_s"] = time.monotonic() - waking
             with log_context(job_id=unit.job_id, unit=unit.unit_index, attempt=unit.attempt):
                 log.info("job %s: claimed unit %s", self.job_id, unit.unit_index)
                 outcome = self._run_unit(unit, job, processor, info)
-                log.info("job %s: %s", self.job_id, outcome.summary, extra=outcome.timing or {})
+                timing = {**_rounded(before), **(outcome.timing or {})}
+                log.info("job %s: %s", self.job_id, outcome.summary, extra=timing)
+                before = dict.fromkeys(before, 0.0)
             telemetry.flush()  # a looping horse's numbers show up unit by unit, not when it exits
             done_here += 1
             if not outcome.more_work:
@@ -414,6 +436,8 @@ class JobRunner:
             "waiting_s": result.waiting_s,
             "copying_s": result.copying_s,
             "closing_s": result.closing_s,
+            "write_s": result.write_s,
+            "fsync_s": result.fsync_s,
             "commit_s": committed_at - committing,
             # From the engine's answer to the unit's last prefill to the unit's commit.
             "tail_s": committed_at - result.last_answer if result.last_answer else 0.0,
@@ -422,7 +446,7 @@ class JobRunner:
             f"unit {unit.unit_index}: {result.samples_done} samples, {len(result.rejections)} rejected, "
             f"{len(result.truncations)} truncated",
             True,
-            {name: round(value, 3) for name, value in timing.items()},
+            _rounded(timing),
         )
 
     def _fail_for_good(self, unit: ClaimedUnit, reason: str) -> Outcome:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,11 @@ class ShardStream:
         self._masks: list[npt.NDArray[np.uint8]] = []
         self._indices: list[int] = []
         self._tokens = 0
+        # Seconds spent in os.write (and the write-behind's waits on the disk) and in the closing fsync:
+        # the unit's log line carries them (workers.unit_processor.UnitResult), so a bench tells the disk
+        # from the copy.
+        self.write_s = 0.0
+        self.fsync_s = 0.0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -222,12 +228,14 @@ class ShardStream:
         self._entries.append((scale_tensor_name(stored), fp8.SCALE_DTYPE, (tokens,), scales.nbytes))
 
     def _write(self, data: memoryview | bytes) -> None:
+        started = time.monotonic()
         view = memoryview(data)
         while view:
             written = os.write(self._fd, view)
             view = view[written:]
         self._data_bytes += len(data)
         self.write_behind.advance(8 + self._reserved + self._data_bytes)
+        self.write_s += time.monotonic() - started
 
     def _rewind(self, data_bytes: int, digest: Any, entries: int) -> None:
         os.ftruncate(self._fd, 8 + self._reserved + data_bytes)
@@ -258,7 +266,9 @@ class ShardStream:
             header = encode_header(self._entries, pad_to=self._reserved)
             os.pwrite(self._fd, header, 0)
             crash_point("before_shard_fsync")
+            syncing = time.monotonic()
             os.fsync(self._fd)
+            self.fsync_s += time.monotonic() - syncing
         except OSError as exc:
             raise ShardWriteError(self.path, exc.errno, exc.strerror or str(exc)) from exc
         finally:

@@ -13,7 +13,9 @@ more, then rejected as ``engine_timeout`` (a retriable reason).
 
 A sample longer than the job's ``max_length`` is cut (``truncation: "truncate"``, recorded per sample) or
 rejected as ``too_long`` (``"reject"``); one whose assistant tokens all lie past the cut is ``too_long``
-too, never ``no_assistant_tokens``.
+too, never ``no_assistant_tokens``. A sample the engine cannot take is rejected before it is sent: longer
+than the prompt it says it takes (``too_long``), or with a dump larger than it says it can write
+(``dump_too_large``; an engine would answer it and no dump would ever come).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hsx import telemetry
-from hsx.contract import RID_PREFIX, EngineInfo
+from hsx.contract import RID_PREFIX, EngineInfo, dump_bytes
 from hsx.dumps import DumpFile, delete_dump, open_dump, validate_open_dump
 from hsx.engine_client import (
     DumpMissing,
@@ -47,7 +49,7 @@ from hsx.ingest import Pretokenized, Record, SampleError
 from hsx.jobs.repository import ClaimedUnit, LiveCounts, RejectionRow, TruncationRow
 from hsx.layout import state_tensor_names
 from hsx.safetensors_io import DTYPE_SIZES
-from hsx.validation import DTYPE_MISMATCH, ENGINE_TIMEOUT, TOO_LONG, SampleRejected
+from hsx.validation import DTYPE_MISMATCH, DUMP_TOO_LARGE, ENGINE_TIMEOUT, TOO_LONG, SampleRejected
 from workers.shards import ShardInfo, ShardStream, canonical_state_dtype
 
 if TYPE_CHECKING:
@@ -80,9 +82,13 @@ class UnitResult:
     # Where the collecting thread's time went (seconds): waiting for an answer or its dump, copying dumps
     # into the shard, closing the shard; and when the engine answered the unit's last prefill (monotonic).
     # The unit's log line carries them, so a slow job shows whether the engine or the copy held it back.
+    # Of the copying, ``write_s`` went to writing the shard (os.write and the write-behind's waits on the
+    # disk); of the closing, ``fsync_s`` to its fsync.
     waiting_s: float = 0.0
     copying_s: float = 0.0
     closing_s: float = 0.0
+    write_s: float = 0.0
+    fsync_s: float = 0.0
     last_answer: float = 0.0
 
     def live(self) -> LiveCounts:
@@ -202,8 +208,11 @@ class UnitProcessor:
                 stream = self._collect(window.popleft(), result, stream, unit, staged_path)
             if stream is not None:
                 closing = time.monotonic()
-                result.shard = stream.finish()
-                result.closing_s += time.monotonic() - closing
+                try:
+                    result.shard = stream.finish()
+                finally:
+                    result.closing_s += time.monotonic() - closing
+                    result.write_s, result.fsync_s = stream.write_s, stream.fsync_s
         except BaseException:
             for pending in window:
                 pending.future.cancel()
@@ -233,7 +242,11 @@ class UnitProcessor:
             except EncodeError as exc:
                 return RejectionRow(index, exc.reason, exc.detail, record_id)
             ids, mask = sample.input_ids, sample.loss_mask
-        return self._fit_length(index, ids, mask, record_id)
+        fitted = self._fit_length(index, ids, mask, record_id)
+        refusal = None if isinstance(fitted, RejectionRow) else self._engine_refusal(len(fitted.input_ids))
+        if refusal is not None:
+            return RejectionRow(index, *refusal, record_id)
+        return fitted
 
     def _fit_length(
         self, index: int, ids: list[int], mask: list[int], record_id: str | None
@@ -250,6 +263,19 @@ class UnitProcessor:
             return RejectionRow(index, TOO_LONG, detail, record_id)
         telemetry.samples_truncated(1)
         return _Encoded(ids[:limit], mask[:limit], TruncationRow(index, len(ids), limit, record_id))
+
+    def _engine_refusal(self, tokens: int) -> tuple[str, str] | None:
+        """Why the engine cannot take a prompt of ``tokens`` (reason, detail), or None when it can."""
+        info = self.info
+        if info.max_prompt_tokens and tokens > info.max_prompt_tokens:
+            return TOO_LONG, f"{tokens} tokens; the engine takes prompts of at most {info.max_prompt_tokens}"
+        if not info.max_prompt_tokens and info.context_length and tokens > info.context_length:
+            return TOO_LONG, f"{tokens} tokens exceed the engine's context length {info.context_length}"
+        size = dump_bytes(tokens, info.hidden_size, len(self.tensors), DTYPE_SIZES[self.dtype])
+        if info.max_dump_bytes and size > info.max_dump_bytes:
+            limit = info.max_dump_bytes
+            return DUMP_TOO_LARGE, f"its dump is {size:,} bytes; the engine writes dumps of at most {limit:,}"
+        return None
 
     def _collect(
         self,
@@ -300,6 +326,8 @@ class UnitProcessor:
         finally:
             self._drop(outcome)
             result.copying_s += time.monotonic() - copying
+            if stream is not None:
+                result.write_s = stream.write_s
         if pending.truncation is not None:
             result.truncations.append(pending.truncation)
         result.tokens += len(pending.input_ids)

@@ -6,8 +6,11 @@
 #            MODE=error bash scripts/device/run_bench_fp8.sh       (fp8 error table on the 8B-shaped model)
 #            HIDDEN=7168 LAYERS=8 bash scripts/device/run_bench_fp8.sh  (an engine faster than the disk)
 # With STREAM=1 (the default) the bench mode then runs `hsx bench stream` on the same engine:
-#   $OUT/bench_stream.json (STREAM_SAMPLES, STREAM_TOKENS, STREAM_SAMPLES_PER_SHARD, STREAM_CONSUMERS);
-#   FP8=0 skips the fp8 bench.
+#   $OUT/bench_stream.json (STREAM_SAMPLES, STREAM_TOKENS, STREAM_SAMPLES_PER_SHARD, STREAM_CONSUMERS,
+#   STREAM_DB, STREAM_CAPS); FP8=0 skips the fp8 bench. Issue 26's stream rows (where the time goes, on SQLite
+#   and PostgreSQL; carry ".device" with .device/postgres.tar.xz from scripts/device/pack_postgres.sh):
+#     FP8=0 HIDDEN=7168 STREAM_CONSUMERS=8 STREAM_SAMPLES_PER_SHARD=4 STREAM_DB="sqlite postgres" \
+#       STREAM_CAPS="0.1 1.0" bash scripts/device/run_bench_fp8.sh
 # Needs what run_bench_e2e.sh needs (.sglang-bundle, .whl, .device/redis-server.xz; docs/sglang.md).
 # MODE=bench (default): starts the patched SGLang engine (radix cache off, dummy weights: the speed does not
 #   depend on their values) and runs `hsx bench fp8 --engine-url`: the same dataset as a bf16 job and as an
@@ -96,14 +99,24 @@ tail -n 1 "$OUT/logs/bench_fp8.h$HIDDEN.txt" >> "$OUT/bench_fp8.json"
 fi
 # Issue 17 on the same engine: `hsx bench stream` (a consume job under a cap of a tenth of its output, drained
 # by a consumer, vs the same job kept). Many small units, so that the cap holds ten or more of them.
+# STREAM_DB=sqlite|postgres|"sqlite postgres" picks the job table(s) (postgres needs .device/postgres.tar.xz,
+# made by scripts/device/pack_postgres.sh: about 4 MB more to carry); STREAM_CAPS the cap fractions ("0.1 1.0").
 if [ "${STREAM:-1}" = 1 ]; then
-  LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
-  timeout $(( LEFT - 15 )) python3 -m hsx.cli bench stream --engine-url http://127.0.0.1:30000 --vocab 128256 \
-    --samples "${STREAM_SAMPLES:-1024}" --tokens "${STREAM_TOKENS:-512}" --samples-per-shard "${STREAM_SAMPLES_PER_SHARD:-8}" \
-    --consumers "${STREAM_CONSUMERS:-4}" --processes "$PROCESSES" --concurrency "$CONCURRENCY" \
-    2> "$OUT/logs/bench_stream.h$HIDDEN.log" | tee "$OUT/logs/bench_stream.h$HIDDEN.txt"
-  say "stream bench exit ${PIPESTATUS[0]}"
-  tail -n 1 "$OUT/logs/bench_stream.h$HIDDEN.txt" >> "$OUT/bench_stream.json"
+  case "${STREAM_DB:-sqlite}" in *postgres*) source scripts/device/postgres_on_device.sh /tmp/hsx-site ;; esac
+  for DB in ${STREAM_DB:-sqlite}; do
+    for CAPF in ${STREAM_CAPS:-0.1}; do
+      LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
+      [ "$LEFT" -lt 90 ] && { say "skipped stream $DB cap $CAPF: ${LEFT}s left"; continue; }
+      TAG="h$HIDDEN.$DB.cap$CAPF"
+      timeout $(( LEFT - 15 )) python3 -m hsx.cli bench stream --engine-url http://127.0.0.1:30000 --vocab 128256 \
+        --samples "${STREAM_SAMPLES:-1024}" --tokens "${STREAM_TOKENS:-512}" --samples-per-shard "${STREAM_SAMPLES_PER_SHARD:-8}" \
+        --consumers "${STREAM_CONSUMERS:-4}" --processes "$PROCESSES" --concurrency "$CONCURRENCY" \
+        --db "$DB" --cap-fraction "$CAPF" \
+        2> "$OUT/logs/bench_stream.$TAG.log" | tee "$OUT/logs/bench_stream.$TAG.txt"
+      say "stream bench ($DB, cap $CAPF) exit ${PIPESTATUS[0]}"
+      tail -n 1 "$OUT/logs/bench_stream.$TAG.txt" | sed "s/^{/{\"cap_fraction\": $CAPF, /" >> "$OUT/bench_stream.json"
+    done
+  done
 fi
 kill -TERM -- -"$SERVER" 2> /dev/null
 pkill -x vmstat 2> /dev/null

@@ -204,6 +204,7 @@ class ReferenceEngine:
             final_state=self.final_state,
             extra={contract.MODEL_FINGERPRINT: self.fingerprint, engine_contract.SEEDED_SAMPLING: True},
             context_length=self.max_positions or None,
+            max_dump_bytes=contract.dump_dir_capacity(self.config.dump_dir),
         )
 
     def prefill(self, input_ids: Sequence[int], rid: str, extra_key: str | None = None) -> RequestResult:

@@ -79,6 +79,36 @@ def resolve_server_args(ns: argparse.Namespace, rest: Sequence[str], prepare: An
     return server_args
 
 
+# SGLang's scheduler refuses a prompt of ``max_req_input_len`` tokens or more, which is its context length
+# (or KV pool) less 1 for the generated token, less 5 more (sglang 0.5.17, TpModelWorker.get_worker_info);
+# its tokenizer manager only asks for the 1.
+SCHEDULER_MARGIN = 7
+
+
+def served_prompt_limit() -> int | None:
+    """The longest prompt the running server's scheduler takes (its ``max_req_input_len`` less 1: it
+    counts the KV pool as well as the context), or None before it says or where its internals differ."""
+    try:
+        from sglang.srt.entrypoints.http_server import get_global_state
+
+        limit = get_global_state().tokenizer_manager.max_req_input_len
+    except Exception:  # noqa: BLE001 - another SGLang's internals: the static bound stands
+        return None
+    return int(limit) - 1 if isinstance(limit, int) and limit > 1 else None
+
+
+def dump_limit(dump_dir: str) -> int | None:
+    """The largest dump the plugin can write: it must fit the dump directory's file system, and a chunked
+    prompt is gathered whole in host memory (workers/engines/sglang/reassembly.py) while its dump is
+    written, to shared memory on a GPU host: half the host's memory at most."""
+    capacity = contract.dump_dir_capacity(dump_dir)
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError):
+        return capacity
+    return min(capacity, memory) if capacity else memory
+
+
 def build_info(
     ns: argparse.Namespace, server_args: Any, dump_dir: str, version: str | None
 ) -> tuple[contract.EngineInfo, PluginConfig]:
@@ -105,6 +135,7 @@ def build_info(
         final_state=ns.final_state,
         allow_any_version=bool(ns.allow_unsupported_sglang_version),
     )
+    context = int(getattr(model_config, "context_len", 0) or 0) or None
     info = contract.EngineInfo(
         backend=plugin.ENGINE_NAME,
         model_path=str(server_args.model_path),
@@ -117,7 +148,9 @@ def build_info(
         prefix_cache=not bool(getattr(server_args, "disable_radix_cache", False)),
         final_state=ns.final_state,
         extra=engine_extra(server_args, version),
-        context_length=int(getattr(model_config, "context_len", 0) or 0) or None,
+        context_length=context,
+        max_prompt_tokens=context - SCHEDULER_MARGIN if context else None,
+        max_dump_bytes=dump_limit(dump_dir),
     )
     if os.path.isdir(str(server_args.model_path)):
         # Which weights produced the states: workers never mix two checkpoints of one shape in a job. A hub
@@ -146,6 +179,9 @@ def main(argv: list[str]) -> int:
     info_dict = info.to_dict()
 
     async def hsx_info() -> dict[str, object]:
+        served = served_prompt_limit()
+        if served is not None:  # the KV pool's bound as well as the context's, once the scheduler says
+            info_dict["max_prompt_tokens"] = served
         return info_dict
 
     app.add_api_route(contract.INFO_PATH, hsx_info, methods=["GET"], response_model=None)

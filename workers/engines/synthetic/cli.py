@@ -24,6 +24,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--context-length", type=int, default=32768, help="the positions a prompt may have")
     parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="the longest prompt it takes and reports, when shorter than the context length (as SGLang's "
+        "KV pool and scheduler make it); a longer one gets a 400",
+    )
+    parser.add_argument(
+        "--max-dump-bytes",
+        type=int,
+        default=None,
+        help="the largest dump it writes and reports (default: its dump directory's file system size); a "
+        "larger one is answered and never written, as a real engine whose writer fails",
+    )
+    parser.add_argument(
         "--reported-dtype",
         default="bfloat16",
         help="the dtype /hsx/info reports (dumps are bf16 whatever it says: another value makes an engine "
@@ -86,6 +100,8 @@ def main(argv: list[str]) -> int:
                 eos_token_id=args.eos_token_id,
                 generation_span=args.generation_span,
                 honour_sampling_seed=not args.ignore_sampling_seed,
+                max_dump_bytes=args.max_dump_bytes,
+                max_prompt_tokens=args.max_prompt_tokens,
             )
         )
     except (ValueError, FileNotFoundError) as exc:

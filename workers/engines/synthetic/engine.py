@@ -18,6 +18,7 @@ tokens every time, so tests can tell a kept text from a second generation.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from hsx.model_identity import fingerprint_of
 from hsx.regenerate import engine_contract
 from hsx.regenerate.engine_contract import FinishReason, GenerationParams
 from hsx.safetensors_io import encode_header
+
+log = logging.getLogger(__name__)
 
 BACKEND = "synthetic"
 PATTERN_ROWS = 256
@@ -57,6 +60,11 @@ class SyntheticConfig:
     eos_token_id: int = 2
     generation_span: int = 64
     honour_sampling_seed: bool = True
+    # The largest dump it writes (None: its dump directory's file system). A larger one is answered and
+    # never written, as the SGLang plugin's writer fails after the answer on a dump it cannot hold.
+    max_dump_bytes: int | None = None
+    # The longest prompt it takes when shorter than the context (SGLang's KV pool and scheduler margin).
+    max_prompt_tokens: int | None = None
 
 
 def pattern_table(hidden_size: int, seed: int = 7) -> npt.NDArray[np.uint16]:
@@ -92,6 +100,11 @@ class SyntheticEngine:
             }
         )
         os.makedirs(config.dump_dir, exist_ok=True)
+        self.max_dump_bytes = config.max_dump_bytes or contract.dump_dir_capacity(config.dump_dir)
+
+    def prompt_limit(self) -> int:
+        """The longest prompt it takes."""
+        return min(self.config.context_length, self.config.max_prompt_tokens or self.config.context_length)
 
     def tensor_names(self) -> list[tuple[str, int]]:
         """(dump tensor name, HF index whose pattern fills it)."""
@@ -122,11 +135,17 @@ class SyntheticEngine:
                 engine_contract.SEEDED_SAMPLING: self.config.honour_sampling_seed,
             },
             context_length=self.config.context_length,
+            max_dump_bytes=self.max_dump_bytes,
+            max_prompt_tokens=self.config.max_prompt_tokens,
         )
 
     def prefill(self, input_ids: list[int], rid: str) -> None:
         """Write the dump of a captured request (others leave no trace)."""
         if not contract.is_captured_rid(rid):
+            return
+        size = contract.dump_bytes(len(input_ids), self.config.hidden_size, len(self.tensor_names()), 2)
+        if self.max_dump_bytes and size > self.max_dump_bytes:
+            log.error("dump of %s not written: %d bytes, at most %d", rid, size, self.max_dump_bytes)
             return
         directory = contract.dump_path(self.config.dump_dir, rid)
         os.makedirs(directory, exist_ok=False)

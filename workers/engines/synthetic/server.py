@@ -48,6 +48,10 @@ def create_app(engine: SyntheticEngine) -> FastAPI:
             params = GenerationParams.from_sampling_params(sampling)
         except GenerationParamError as exc:
             return _bad(f"sampling_params.{exc}")
+        limit = engine.prompt_limit()
+        if len(ids) > limit:
+            detail = f"{len(ids)} tokens exceed the longest prompt it takes, {limit}"
+            return JSONResponse(status_code=400, content={"error": "too_long", "detail": detail})
         if len(ids) + params.max_new_tokens > engine.config.context_length:
             return JSONResponse(
                 status_code=400,
