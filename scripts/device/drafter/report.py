@@ -14,7 +14,7 @@ from pathlib import Path
 ROWS = [
     ("untrained", "nothing (the untrained draft)"),
     ("hsx", "hsx output, read offline (`hsx export --format specforge`)"),
-    ("streamed", "hsx output, streamed while the job runs (`hsx publish specforge`)"),
+    ("streamed", "hsx output, streamed while the job runs (`hsx feed specforge`)"),
     ("specforge", "SpecForge's own capture of the same samples"),
     ("misaligned", "radix cache on, dumped rows paired with the sample's tokens from its start"),
     ("aligned", "the same truncated captures, each row at its true position"),
