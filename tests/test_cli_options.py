@@ -80,7 +80,10 @@ def test_flags_parse_into_the_options_the_api_takes_and_nothing_given_sends_noth
         "retention": "consume",
         "buffer_cap_bytes": 4096,
     }
-    assert JobOptions.model_validate_json(json.dumps(options)).stored() == {**options}
+    stored = JobOptions.model_validate_json(json.dumps(options)).stored()
+    defaults = JobOptions().stored()
+    # What was given is stored as given; every field no flag named keeps its default.
+    assert stored == {**defaults, **options}
     assert parse("--chat-template") == {"chat_template": True}
 
 

@@ -52,7 +52,10 @@ def create_app(engine: SyntheticEngine) -> FastAPI:
         if len(ids) > limit:
             detail = f"{len(ids)} tokens exceed the longest prompt it takes, {limit}"
             return JSONResponse(status_code=400, content={"error": "too_long", "detail": detail})
-        if len(ids) + params.max_new_tokens > engine.config.context_length:
+        # A capture (an hsx- rid) is held to the longest prompt the engine reports; a generation's new tokens
+        # must fit in the context beside its prompt.
+        capture = (rid or "").startswith(contract.RID_PREFIX)
+        if not capture and len(ids) + params.max_new_tokens > engine.config.context_length:
             return JSONResponse(
                 status_code=400,
                 content={
