@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 23 on the lent H200, in ONE device call (run from the repository root):
-#   carry: [".sglang-bundle", ".whl", ".device", ".hsx/models/smollm2-135m-instruct"]
+#   carry: [".sglang-bundle", ".whl", ".device"]            (63 MiB in all with the tree: near the limit)
 #   command: bash scripts/device/run_bench_regenerate.sh
-# What it needs beyond the repo: what scripts/device/run_bench_e2e.sh needs, and the default model's
-# tokenizer (its converted directory): a regenerate job applies a chat template, so the model directory
-# the engine serves must hold a tokenizer with one.
+# What it needs beyond the repo: what scripts/device/run_job_e2e.sh needs (.whl/, .device/redis-server.xz),
+# and the default model's tokenizer as .device/tokenizer.tar.xz (its converted directory's 538 MB cannot
+# travel): a regenerate job applies a chat template, so the model directory the engine serves must hold a
+# tokenizer with one.
 # It makes an 8B-shaped Llama with SmolLM2's vocabulary (49,152; SGLang fills in random weights) holding
 # SmolLM2's tokenizer and chat template, starts two patched SGLang engines on the one GPU: the capture
 # engine (radix cache off, port 30000) and one with its radix cache on (port 30001), each with a share of
@@ -28,6 +29,12 @@ DEADLINE=${DEADLINE:-570}
 # invariant kernels, slower; triton attention keeps the radix cache on). The bench is greedy by default.
 SEEDED=${SEEDED:-0}
 TOKENIZER=$R/.hsx/models/smollm2-135m-instruct
+if [ ! -f "$TOKENIZER/tokenizer.json" ] && [ -f .device/tokenizer.tar.xz ]; then
+  # The tokenizer packed small (0.45 MB for 3.5), for a call whose carry is near its 64 MiB: made with
+  # `tar cJf .device/tokenizer.tar.xz -C DIR tokenizer` from tokenizer.json, tokenizer_config.json and
+  # chat_template.jinja of the converted default model.
+  mkdir -p /tmp/hsx-tok && tar xJf .device/tokenizer.tar.xz -C /tmp/hsx-tok && TOKENIZER=/tmp/hsx-tok/tokenizer
+fi
 [ -f "$TOKENIZER/tokenizer.json" ] || { say "no tokenizer at $TOKENIZER (carry it)"; exit 1; }
 
 source .sglang-bundle/install-on-device.sh .sglang-bundle > "$OUT/install.log" 2>&1
@@ -77,13 +84,19 @@ start_engine() {  # port, dump dir, memory fraction, extra args...
 }
 PIDS=()
 start_engine 30000 /dev/shm/hsx-dumps 0.40 --disable-radix-cache   # the capture engine
-start_engine 30001 /dev/shm/hsx-dumps-cache 0.80                    # the same model, its radix cache on
+# CACHE_ENGINE=0: the capture engine alone (a call short of time): the client and job parts, not the cache one.
+CACHE_ARGS=(--cache-engine-url http://127.0.0.1:30001)
+if [ "${CACHE_ENGINE:-1}" = 1 ]; then
+  start_engine 30001 /dev/shm/hsx-dumps-cache 0.80                  # the same model, its radix cache on
+else
+  CACHE_ARGS=(--parts client,job)
+fi
 say "engines up"
 
 export HSX_BENCH_LOGS="$OUT/logs"
 LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
 timeout $(( LEFT - 20 )) python3 -m hsx.cli bench regenerate --engine-url http://127.0.0.1:30000 \
-  --cache-engine-url http://127.0.0.1:30001 --samples "$SAMPLES" --max-new-tokens "$MAX_NEW" \
+  "${CACHE_ARGS[@]}" --samples "$SAMPLES" --max-new-tokens "$MAX_NEW" \
   --processes "$PROCESSES" --concurrency "$CONCURRENCY" --conversations "$(( PROCESSES * CONCURRENCY ))" \
   --words "${WORDS:-150}" --turns 3 --user-tokens 256 --rounds 1 ${BENCH_ARGS:-} \
   2> "$OUT/logs/bench_regenerate.log" | tee "$OUT/logs/bench_regenerate.txt"
