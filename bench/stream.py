@@ -46,6 +46,8 @@ from harness import (  # noqa: E402
     write_pretokenized,
 )
 
+from hsx.streams.contract import LEASE_WAIT_SECONDS  # noqa: E402
+
 
 def directory_bytes(path: Path) -> int:
     total = 0
@@ -92,8 +94,9 @@ class ConsumerTimeline:
 
     PHASES = ("lease", "read", "verify", "ack", "idle")
 
-    def __init__(self, poll_seconds: float = 0.02) -> None:
-        self.poll_seconds = poll_seconds  # the pause after an empty lease
+    def __init__(self, poll_seconds: float = 0.02, wait_seconds: float = 0.0) -> None:
+        self.poll_seconds = poll_seconds  # the pause after an empty lease that did not wait
+        self.wait_seconds = wait_seconds  # how long a lease waits at the API for an item
         self.lock = threading.Lock()
         self.spent = dict.fromkeys(self.PHASES, 0.0)
         self.calls = dict.fromkeys(self.PHASES, 0)
@@ -166,7 +169,8 @@ def _rank(
             consumer = http.post(f"{base}/consumers", json=body).json()["id"]
             while True:
                 mark = time.monotonic()
-                answer = http.post(f"{base}/consumers/{consumer}/leases", json={"max_items": 1}).json()
+                body = {"max_items": 1, "wait_seconds": timeline.wait_seconds}
+                answer = http.post(f"{base}/consumers/{consumer}/leases", json=body).json()
                 mark = timeline.add("lease", mark)
                 if answer["job_state"] in ("failed", "cancelled"):
                     raise RuntimeError(f"job {answer['job_state']}: {answer.get('error')}")
@@ -182,7 +186,7 @@ def _rank(
                     mark = timeline.add("ack", mark)
                 if answer["end_of_stream"]:
                     return
-                if not answer["items"]:
+                if not answer["items"] and not timeline.wait_seconds:
                     time.sleep(timeline.poll_seconds)
                     timeline.add("idle", mark)
     except BaseException as exc:  # noqa: BLE001 - reported by consume()
@@ -215,7 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         "--poll-seconds",
         type=float,
         default=0.02,
-        help="a consumer's pause after an empty lease (hsx.streams.torch_stream.JobStream's default: 0.5 s)",
+        help="a consumer's pause after an empty lease, with --wait-seconds 0",
+    )
+    parser.add_argument(
+        "--wait-seconds",
+        type=float,
+        default=LEASE_WAIT_SECONDS,
+        help="how long a consumer's lease waits at the API for the next item (JobStream's default); 0: "
+        "answer at once and poll every --poll-seconds, as before waiting leases",
     )
     parser.add_argument("--engine-url", help="a running engine (default: start a synthetic one)")
     parser.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
@@ -271,7 +282,7 @@ def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | 
         monitor = Monitor(out / job_id, stack.env["HSX_DATABASE_URL"], job_id)
         monitor.start()
         seen: list[int] = []
-        consumers = ConsumerTimeline(args.poll_seconds)
+        consumers = ConsumerTimeline(args.poll_seconds, args.wait_seconds)
         consume(stack, job_id, seen, args.consumers, consumers)
         doc = stack.wait(job_id, timeout=3600)
         consume_cpu = cpu_seconds(stack, since=cpu)
@@ -295,6 +306,7 @@ def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | 
             "processes": args.processes,
             "consumers": args.consumers,
             "poll_seconds": args.poll_seconds,
+            "wait_seconds": args.wait_seconds,
             "job_tok_s": round(job),
             "keep_tok_s": round(keep_rate),
             "keep_before_after": [round(rate) for rate in keep_rates],

@@ -47,6 +47,7 @@ from hsx.settings import Settings
 from hsx.streams import service as stream_service
 from hsx.streams.contract import ClaimWait
 from hsx.streams.deletion import delete_acknowledged_or_log
+from hsx.streams.news import announce
 from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
@@ -357,7 +358,10 @@ class JobRunner:
             log.warning("could not wake more workers for job %s: %s", self.job_id, exc)
 
     def _finalize(self) -> bool:
-        return finalize_if_complete(self.db_url, self.job_id)
+        finished = finalize_if_complete(self.db_url, self.job_id)
+        if finished:
+            announce(self.settings, self.job_id)  # waiting leases learn that the stream ends
+        return finished
 
     def _processor(self, info: EngineInfo, options: JobOptions) -> UnitProcessor:
         return UnitProcessor(
@@ -432,6 +436,7 @@ class JobRunner:
             return Outcome(f"unit {unit.unit_index} lease lost; nothing committed", True)
         if job.destination:
             publish_committed(self.db_url, self.job_id, unit.id, self.settings)
+        announce(self.settings, self.job_id)  # a waiting lease hands the new item out now
         timing = {
             "waiting_s": result.waiting_s,
             "copying_s": result.copying_s,

@@ -34,6 +34,7 @@ from hsx.regenerate import repository as regen_repo
 from hsx.regenerate.export import sample_line
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
+from hsx.streams.news import announce
 from hsx.validation import RETRIABLE_REASONS
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ class JobService:
         if not cancelled:
             # It finished between the read above and the compare-and-set: say so, never "200, succeeded".
             raise Conflict(f"job is already {job.state}", error="job_finished")
+        announce(self.settings, job_id)  # a waiting lease answers "cancelled" now
         return job
 
     def retry(self, job_id: str) -> Job:

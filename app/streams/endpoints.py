@@ -5,13 +5,15 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Depends, Response, status
+from fastapi.concurrency import run_in_threadpool
 
 from app.deps import SessionDep, SettingsDep
 from app.jobs.endpoints import ERRORS, document_cache, json_body
 from app.streams import schemas
 from hsx.db.stream_models import StreamConsumer
+from hsx.streams import news
 from hsx.streams import repository as repo
-from hsx.streams.service import StreamService
+from hsx.streams.service import LeaseAnswer, StreamService
 
 router = APIRouter(prefix="/jobs/{job_id}/consumers", tags=["streams"])
 
@@ -64,11 +66,21 @@ def list_consumers(job_id: str, session: SessionDep, settings: SettingsDep) -> s
     dependencies=[Depends(json_body)],
     responses=ERRORS,
 )
-def lease(
+async def lease(
     job_id: str, consumer_id: str, body: schemas.LeaseRequest, session: SessionDep, settings: SettingsDep
 ) -> schemas.LeaseOut:
     seen = None if body.seen is None else [(d.id, d.delivery) for d in body.seen]
-    answer = StreamService(session, settings).lease(job_id, consumer_id, body.max_items, seen)
+    service = StreamService(session, settings)
+
+    async def look() -> LeaseAnswer:
+        return await run_in_threadpool(service.lease, job_id, consumer_id, body.max_items, seen)
+
+    # Async so that a waiting lease holds no thread of the pool (and no database connection) while it waits.
+    answer = (
+        await news.wait_for(settings, job_id, body.wait_seconds, look, LeaseAnswer.worth_waiting)
+        if body.wait_seconds > 0
+        else await look()
+    )
     return schemas.LeaseOut(
         job_state=answer.job_state,
         items=[

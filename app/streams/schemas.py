@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hsx.streams.contract import LEASE_WAIT_MAX_SECONDS
+
 # Item ids and deliveries are 32-bit columns: a larger number names no item, and is refused as input
 # rather than reaching the database (PostgreSQL would answer "integer out of range").
 ROW_INT_MAX = 2**31 - 1
@@ -66,6 +68,14 @@ class LeaseRequest(BaseModel):
         "items it holds under a live lease but is not listed here come first in the answer, the same "
         "delivery with its lease renewed: a lease whose answer was lost (a restart, a cut connection) is "
         "handed over at once rather than when it runs out. Left out: only new leases.",
+    )
+    wait_seconds: float = Field(
+        0.0,
+        ge=0.0,
+        le=LEASE_WAIT_MAX_SECONDS,
+        description="With nothing to hand out, wait up to this long for an item (a unit's commit, a lease "
+        "running out, another reader leaving) or the stream's end before answering, instead of answering "
+        "empty at once: a consumer that waits here need not poll. 0: answer at once.",
     )
 
 

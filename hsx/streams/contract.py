@@ -1,11 +1,29 @@
 """What the stream promises, in one small module the API, the workers and trainers all import (standard
-library only): the rule that decides whether a worker may claim another unit. (The retention modes are the
-job option's: :mod:`hsx.job_options`.)"""
+library only): the rule that decides whether a worker may claim another unit, and how long a lease may
+wait at the API for an item. (The retention modes are the job option's: :mod:`hsx.job_options`.)"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+# A lease waits at most this long for an item before it answers empty: well inside any client's read
+# timeout and a proxy's idle one.
+LEASE_WAIT_MAX_SECONDS = 30.0
+# The clients' default (JobStream, the SpecForge feeder): one call covers most gaps between two commits.
+LEASE_WAIT_SECONDS = 10.0
+
+
+def lease_wait(seconds: float, read_timeout: float) -> float:
+    """A client's lease wait, checked: within the API's bound and shorter than the client's own read
+    timeout (a wait the client gives up on first would look like an outage)."""
+    if not 0 <= seconds <= LEASE_WAIT_MAX_SECONDS:
+        raise ValueError(f"wait_seconds must be within 0 and {LEASE_WAIT_MAX_SECONDS:g}, not {seconds:g}")
+    if seconds and seconds + 5 > read_timeout:
+        raise ValueError(
+            f"wait_seconds {seconds:g} must be at least 5 s shorter than timeout {read_timeout:g}"
+        )
+    return float(seconds)
 
 
 class ClaimWait(enum.Enum):

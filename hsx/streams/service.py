@@ -25,6 +25,7 @@ from hsx.jobs.repository import CommittedUnit
 from hsx.settings import Settings
 from hsx.streams import repository as repo
 from hsx.streams.contract import Budget
+from hsx.streams.news import announce
 from hsx.streams.repository import ItemCounts, LeasedItem
 from hsx.streams.room import signal_room
 
@@ -123,6 +124,11 @@ class LeaseAnswer:
     # stream open until that reader acknowledges it or its lease runs out and the shard comes here.
     end_of_stream: bool
     error: str | None = None
+
+    def worth_waiting(self) -> bool:
+        """Nothing handed out and nothing final said: a lease that may wait looks again on news."""
+        ended = self.job_state in (JobState.failed.value, JobState.cancelled.value)
+        return not self.items and not self.end_of_stream and not ended
 
 
 @dataclass
@@ -257,6 +263,8 @@ class StreamService:
         if fresh and retention_of(job.options) == CONSUME and job.state == JobState.running.value:
             signal_room(self.settings, job_id, fresh)
             wake_workers(self.settings, self.session, job_id)
+        if fresh and job.state == JobState.succeeded.value:
+            announce(self.settings, job_id)  # another group's stream may have ended with these
         return answer
 
     def close(self, job_id: str, consumer_id: str) -> int:
@@ -266,6 +274,8 @@ class StreamService:
         released = repo.release_leases_of(self.session, consumer.id)
         self.session.delete(consumer)
         self.session.commit()
+        if released:
+            announce(self.settings, job_id)  # what it held goes to a waiting lease now
         return released
 
 

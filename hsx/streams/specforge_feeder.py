@@ -31,6 +31,7 @@ import httpx
 from hsx.manifest import Manifest
 from hsx.streams import specforge_layout as layout
 from hsx.streams.api_calls import call_api
+from hsx.streams.contract import LEASE_WAIT_MAX_SECONDS
 from hsx.streams.reader import item_samples, manifest_for
 from hsx.streams.specforge_cli import DEFAULT_LEASE_SECONDS, DEFAULT_WINDOW
 
@@ -169,7 +170,10 @@ class SpecForgeFeeder:
                 if not self.held:
                     return
             elif in_flight < max(self.window, self.channel.quantum()) and not self.should_stop():
-                answer = self._call("POST", f"/consumers/{self.consumer_id}/leases", {"max_items": 1})
+                # The lease waits at the API for the next item instead of this loop sleeping: an item is
+                # fed the moment it commits, and the trainer's progress is still read every poll.
+                body = {"max_items": 1, "wait_seconds": min(self.poll_seconds, LEASE_WAIT_MAX_SECONDS)}
+                answer = self._call("POST", f"/consumers/{self.consumer_id}/leases", body)
                 if answer["job_state"] in ("failed", "cancelled"):
                     reason = _broken(self.job_id, answer["job_state"], answer.get("error"))
                     self.channel.fail(reason)
@@ -181,8 +185,8 @@ class SpecForgeFeeder:
                     leased_all = True
                     if not self.channel.is_closed():
                         self.channel.close()
-                if answer["items"]:
-                    continue
+                if answer["items"] or not answer["end_of_stream"]:
+                    continue  # fed, or waited a poll's length at the API
             elif not leased_all:
                 # The window is full, so no lease call would tell us the job broke: ask it.
                 ended = self._ended()

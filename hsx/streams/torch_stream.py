@@ -32,6 +32,7 @@ from hsx.job_options import JobOptions
 from hsx.manifest import Manifest
 from hsx.samples import Item, sample_item
 from hsx.streams.api_calls import call_api
+from hsx.streams.contract import LEASE_WAIT_SECONDS, lease_wait
 from hsx.streams.reader import ShardGone, Source, item_samples, manifest_for
 
 # (consumer id, item id, delivery, samples in the item): what an acknowledgement needs of a sample.
@@ -60,6 +61,7 @@ class JobStream(IterableDataset[Item]):
         rank: int | None = None,
         lease_seconds: float | None = None,
         poll_seconds: float = 0.5,
+        wait_seconds: float = LEASE_WAIT_SECONDS,
         verify_checksums: bool = True,
         timeout: float = 60.0,
         outage_seconds: float = 600.0,
@@ -76,6 +78,9 @@ class JobStream(IterableDataset[Item]):
         self.rank = rank if rank is not None else _distributed_rank()
         self.lease_seconds = lease_seconds
         self.poll_seconds = poll_seconds
+        # A lease that finds nothing waits this long at the API for the next item (0: poll every
+        # poll_seconds instead); the API answers within it, so it must stay inside the read timeout.
+        self.wait_seconds = lease_wait(wait_seconds, timeout)
         self.verify_checksums = verify_checksums
         self.timeout = timeout
         # How long an unreachable API (connection errors, 5xx) is retried before a call raises.
@@ -125,7 +130,7 @@ class JobStream(IterableDataset[Item]):
         manifest, consume = self._manifest()
         received: OrderedDict[tuple[int, int], float] = OrderedDict()  # delivery -> its lease's end
         while True:
-            body = {"max_items": 1, "seen": _seen(received)}
+            body = {"max_items": 1, "seen": _seen(received), "wait_seconds": self.wait_seconds}
             answer = self._call("POST", f"/consumers/{consumer}/leases", body)
             if answer["job_state"] in ("failed", "cancelled"):
                 raise JobStreamError(f"job {self.job_id} is {answer['job_state']}: {answer.get('error')}")
@@ -148,7 +153,7 @@ class JobStream(IterableDataset[Item]):
                     yield out
             if answer["end_of_stream"]:
                 return
-            if not answer["items"]:
+            if not answer["items"] and not self.wait_seconds:
                 time.sleep(self.poll_seconds)
 
     def ack(self, batch: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> int:

@@ -1,0 +1,240 @@
+"""A lease that finds nothing waits at the API (``wait_seconds``) and answers on the stream's news: the item
+a unit's commit adds, the job's end, a cancel, a reader leaving. Each test makes the lease's own re-read of
+the table (``RECHECK_SECONDS``) longer than the test, so an answer that came at all came from the news, and
+counts how often the lease read the table: once before the news and once after it. A lease that has not
+answered by half its wait did not hear the news (its wait would answer at the end, with a last read).
+
+Real synthetic engine, real PostgreSQL/SQLite and Redis; the API through its real app in this process, the
+job runner in this process as a work horse would run it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.stack import Stack, make_stack
+from tests.fixtures.synthetic import Engines, Synthetic, write_pretokenized
+from tests.test_streams import ack, consumer, lease, run_worker
+
+LONG = 60.0  # longer than any of these tests: nothing here is answered by a recheck
+WAIT = 30.0  # the longest wait a lease may ask for
+# A lease that answers within this long answered on news: its wait (WAIT) had not run out.
+ON_NEWS = WAIT / 2
+
+
+@pytest.fixture
+def synth(
+    db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Stack, Synthetic]]:
+    from hsx.settings import get_settings
+
+    engine = engines.start()
+    stack = make_stack(db_url, redis_url, engine.url, tmp_path, monkeypatch, heartbeat_seconds="0.2")
+    try:
+        yield stack, engine
+    finally:
+        stack.stop_workers()
+        get_settings.cache_clear()
+
+
+class Looks:
+    """Counts the lease's reads of the table (StreamService.lease) and what each found."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from hsx.streams.service import StreamService
+
+        self.found: list[int] = []
+        self.lock = threading.Lock()
+        real = StreamService.lease
+
+        def counted(service: StreamService, *args: Any, **kwargs: Any) -> Any:
+            answer = real(service, *args, **kwargs)
+            with self.lock:
+                self.found.append(len(answer.items))
+            return answer
+
+        monkeypatch.setattr(StreamService, "lease", counted)
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.found)
+
+
+class WaitingLease(threading.Thread):
+    """A lease call with ``wait_seconds`` in a thread of its own; ``answer`` once it returned."""
+
+    def __init__(self, stack: Stack, job_id: str, consumer_id: str, wait: float = WAIT) -> None:
+        super().__init__(daemon=True)
+        self.stack, self.job_id, self.consumer_id, self.wait = stack, job_id, consumer_id, wait
+        self.answer: dict[str, Any] | None = None
+
+    def run(self) -> None:
+        url = f"/jobs/{self.job_id}/consumers/{self.consumer_id}/leases"
+        resp = self.stack.client.post(url, json={"max_items": 1, "wait_seconds": self.wait})
+        assert resp.status_code == 200, resp.text
+        self.answer = dict(resp.json())
+
+
+def listeners(stack: Stack, job_id: str) -> int:
+    from hsx.jobs.queue import redis_connection
+    from hsx.streams.news import news_channel
+
+    channel = news_channel(stack.settings, job_id)
+    return int(dict(redis_connection(stack.settings).pubsub_numsub(channel))[channel.encode()])
+
+
+def wait_until(condition: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.01)
+
+
+def start_waiting(stack: Stack, job_id: str, consumer_id: str, looks: Looks) -> WaitingLease:
+    """A waiting lease that has joined the job's news and read the table once (finding nothing)."""
+    before = looks.count()
+    waiting = WaitingLease(stack, job_id, consumer_id)
+    waiting.start()
+    wait_until(lambda: listeners(stack, job_id) == 1 and looks.count() == before + 1, "the lease waits")
+    assert looks.found[-1] == 0
+    return waiting
+
+
+@pytest.fixture
+def looks(monkeypatch: pytest.MonkeyPatch) -> Looks:
+    from hsx.streams import news
+
+    monkeypatch.setattr(news, "RECHECK_SECONDS", LONG)
+    return Looks(monkeypatch)
+
+
+def test_a_waiting_lease_hands_out_a_unit_the_moment_it_commits(
+    synth: tuple[Stack, Synthetic], looks: Looks
+) -> None:
+    from hsx.streams.reader import item_samples, manifest_for
+
+    stack, engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 2)
+    job_id = stack.submit(data, samples_per_shard=2, retention="consume")["id"]
+    reader = consumer(stack, job_id, name="rank0")
+    waiting = start_waiting(stack, job_id, reader, looks)
+    assert waiting.is_alive() and waiting.answer is None
+    run_worker(engine.url, job_id)  # commits the one unit, and the job succeeds
+    waiting.join(ON_NEWS)
+    assert waiting.answer is not None, "the lease did not answer on the commit's news"
+    # One read before the news, one after it: nothing polled the table in between.
+    assert looks.found == [0, 1]
+    items = waiting.answer["items"]
+    assert [i["unit_index"] for i in items] == [0] and waiting.answer["end_of_stream"] is False
+    doc = stack.job(job_id)
+    assert [s.index for s in item_samples(items[0], manifest_for(doc))] == [0, 1]
+    assert ack(stack, job_id, reader, items)["acked"] == [items[0]["id"]]
+    # With everything acknowledged the stream's end is said at once, not after the wait.
+    end = stack.client.post(
+        f"/jobs/{job_id}/consumers/{reader}/leases", json={"max_items": 1, "wait_seconds": WAIT}
+    ).json()
+    assert end["end_of_stream"] is True and end["items"] == [] and looks.found == [0, 1, 0]
+
+
+def test_a_waiting_lease_learns_of_a_cancel_and_of_the_end_another_readers_ack_brings(
+    synth: tuple[Stack, Synthetic], looks: Looks
+) -> None:
+    stack, engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 2)
+    job_id = stack.submit(data, samples_per_shard=2)["id"]
+    run_worker(engine.url, job_id)
+    assert stack.job(job_id)["state"] == "succeeded"
+    # A reader of another group holds the one shard, so this reader's stream stays open until it is
+    # acknowledged (or its lease runs out and the shard comes here).
+    holder = consumer(stack, job_id, name="holder", group="a")
+    held = lease(stack, job_id, holder)["items"]
+    assert len(held) == 1
+    second = consumer(stack, job_id, name="second", group="b")
+    waiting = start_waiting(stack, job_id, second, looks)
+    ack(stack, job_id, holder, held)
+    waiting.join(ON_NEWS)
+    assert waiting.answer is not None and waiting.answer["end_of_stream"] is True, waiting.answer
+    assert looks.found[-2:] == [0, 0]
+
+    cancelled = stack.submit(data, samples_per_shard=2)["id"]
+    reader = consumer(stack, cancelled, name="reader")
+    waiting = start_waiting(stack, cancelled, reader, looks)
+    assert stack.client.post(f"/jobs/{cancelled}/cancel").status_code == 200
+    waiting.join(ON_NEWS)
+    assert waiting.answer is not None, "the lease did not answer on the cancel's news"
+    assert waiting.answer["job_state"] == "cancelled" and waiting.answer["items"] == []
+    assert waiting.answer["end_of_stream"] is False  # a trainer never takes a cancel for the end of its data
+
+
+def test_a_reader_that_leaves_hands_its_shard_to_a_waiting_lease(
+    synth: tuple[Stack, Synthetic], looks: Looks
+) -> None:
+    stack, engine = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 2)
+    job_id = stack.submit(data, samples_per_shard=2, retention="consume")["id"]
+    run_worker(engine.url, job_id)
+    # Of another group: a shard held by the reader's own group would end its stream at once.
+    leaving = consumer(stack, job_id, name="leaving", group="a")
+    held = lease(stack, job_id, leaving)["items"]
+    staying = consumer(stack, job_id, name="staying", group="b")
+    waiting = start_waiting(stack, job_id, staying, looks)
+    assert stack.client.delete(f"/jobs/{job_id}/consumers/{leaving}").status_code == 204
+    waiting.join(ON_NEWS)
+    assert waiting.answer is not None, "the lease did not answer on the reader's leaving"
+    assert [(i["id"], i["delivery"]) for i in waiting.answer["items"]] == [(held[0]["id"], 2)]
+
+
+def test_a_wait_without_news_still_reads_the_table_every_recheck(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis unreachable: the wait goes on by reading the table every RECHECK_SECONDS, and what a read
+    finds is answered (a lease that ran out comes back this way too: nothing announces it)."""
+    from hsx.settings import Settings
+    from hsx.streams import news
+
+    monkeypatch.setattr(news, "RECHECK_SECONDS", 0.05)
+    settings = Settings(redis_url="redis://127.0.0.1:1/0")
+    answers = iter([[], [], ["item"]])
+    looked: list[float] = []
+
+    async def look() -> list[str]:
+        looked.append(time.monotonic())
+        return next(answers)
+
+    got = asyncio.run(news.wait_for(settings, "job", LONG, look, lambda found: not found))
+    assert got == ["item"] and len(looked) == 3
+    assert all(b - a >= 0.04 for a, b in zip(looked, looked[1:], strict=False))
+    # And a wait that runs out answers what the last read found.
+    assert asyncio.run(news.wait_for(settings, "job", 0.12, look_empty, lambda found: not found)) == []
+
+
+async def look_empty() -> list[str]:
+    return []
+
+
+@pytest.mark.parametrize("wait", [-1, 30.5, "10"])
+def test_a_wait_out_of_bounds_is_refused_naming_the_field(synth: tuple[Stack, Synthetic], wait: Any) -> None:
+    stack, _ = synth
+    data = write_pretokenized(stack.tmp / "d.jsonl", [40])
+    job_id = stack.submit(data)["id"]
+    reader = consumer(stack, job_id)
+    resp = stack.client.post(
+        f"/jobs/{job_id}/consumers/{reader}/leases", json={"max_items": 1, "wait_seconds": wait}
+    )
+    assert resp.status_code == 422, resp.text
+    assert "wait_seconds" in resp.text
+
+
+def test_a_client_wait_must_fit_its_own_read_timeout() -> None:
+    from hsx.streams.contract import lease_wait
+    from hsx.streams.torch_stream import JobStream
+
+    assert lease_wait(10, 60) == 10.0 and lease_wait(0, 1) == 0.0
+    with pytest.raises(ValueError, match="shorter than timeout"):
+        JobStream("http://127.0.0.1:1", "job", wait_seconds=20, timeout=15)
+    with pytest.raises(ValueError, match="within 0 and 30"):
+        lease_wait(31, 120)
