@@ -238,3 +238,15 @@ def test_a_client_wait_must_fit_its_own_read_timeout() -> None:
         JobStream("http://127.0.0.1:1", "job", wait_seconds=20, timeout=15)
     with pytest.raises(ValueError, match="within 0 and 30"):
         lease_wait(31, 120)
+
+
+def test_the_default_wait_shortens_to_fit_a_short_read_timeout() -> None:
+    """A trainer that only sets a short timeout (the stream-fault tests' trainers use 10 s) gets a wait that
+    fits it, or polling where none fits: the default must never make JobStream refuse to start."""
+    from hsx.streams.contract import LEASE_WAIT_SECONDS, lease_wait
+    from hsx.streams.torch_stream import JobStream
+
+    assert JobStream("http://127.0.0.1:1", "job").wait_seconds == LEASE_WAIT_SECONDS
+    assert JobStream("http://127.0.0.1:1", "job", timeout=10).wait_seconds == 5.0
+    assert JobStream("http://127.0.0.1:1", "job", timeout=4).wait_seconds == 0.0
+    assert lease_wait(None, 60) == LEASE_WAIT_SECONDS

@@ -14,12 +14,20 @@ LEASE_WAIT_MAX_SECONDS = 30.0
 LEASE_WAIT_SECONDS = 10.0
 
 
-def lease_wait(seconds: float, read_timeout: float) -> float:
+# A waiting lease's answer must come back this long before the client's read timeout runs out.
+LEASE_WAIT_MARGIN_SECONDS = 5.0
+
+
+def lease_wait(seconds: float | None, read_timeout: float) -> float:
     """A client's lease wait, checked: within the API's bound and shorter than the client's own read
-    timeout (a wait the client gives up on first would look like an outage)."""
+    timeout (a wait the client gives up on first would look like an outage). ``None`` takes the default,
+    shortened to fit a short read timeout (0, polling, where none fits): a client that only set a short
+    timeout must still work; a wait asked for explicitly that does not fit is an error."""
+    if seconds is None:
+        return max(0.0, min(LEASE_WAIT_SECONDS, read_timeout - LEASE_WAIT_MARGIN_SECONDS))
     if not 0 <= seconds <= LEASE_WAIT_MAX_SECONDS:
         raise ValueError(f"wait_seconds must be within 0 and {LEASE_WAIT_MAX_SECONDS:g}, not {seconds:g}")
-    if seconds and seconds + 5 > read_timeout:
+    if seconds and seconds + LEASE_WAIT_MARGIN_SECONDS > read_timeout:
         raise ValueError(
             f"wait_seconds {seconds:g} must be at least 5 s shorter than timeout {read_timeout:g}"
         )

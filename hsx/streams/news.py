@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -27,6 +28,12 @@ NEWS_PREFIX = "hsx-stream-news-"
 RECHECK_SECONDS = 1.0
 
 Answer = TypeVar("Answer")
+
+# One asyncio client (and so one connection pool) per event loop and URL: a waiting lease's subscription
+# borrows a connection from it and gives it back, instead of connecting afresh every lease.
+_ASYNC_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, aioredis.Redis]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def news_channel(settings: Settings, job_id: str) -> str:
@@ -52,8 +59,7 @@ async def wait_for(
     then on each piece of news and at least every ``RECHECK_SECONDS``. The channel is joined before the
     first look, so news that comes between a look and the wait is not missed."""
     deadline = time.monotonic() + seconds
-    redis = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
-    pubsub = redis.pubsub()
+    pubsub = _async_client(settings.redis_url).pubsub()
     try:
         try:
             await pubsub.subscribe(news_channel(settings, job_id))
@@ -71,7 +77,7 @@ async def wait_for(
             answer = await look()
         return answer
     finally:
-        await _close(pubsub, redis)
+        await _close(pubsub)
 
 
 async def _next_news(pubsub: aioredis.client.PubSub, seconds: float, job_id: str) -> bool:
@@ -89,9 +95,19 @@ async def _next_news(pubsub: aioredis.client.PubSub, seconds: float, job_id: str
         return False
 
 
-async def _close(pubsub: aioredis.client.PubSub, redis: aioredis.Redis) -> None:
+def _async_client(url: str) -> aioredis.Redis:
+    # Keyed by the loop itself, held weakly: a pool's connections belong to the loop that opened them, and a
+    # loop that is gone (a test's, a restarted server's) takes its clients with it.
+    clients = _ASYNC_CLIENTS.setdefault(asyncio.get_running_loop(), {})
+    client = clients.get(url)
+    if client is None:
+        client = clients[url] = aioredis.Redis.from_url(url, socket_connect_timeout=5)
+    return client
+
+
+async def _close(pubsub: aioredis.client.PubSub) -> None:
+    """Unsubscribe and hand the connection back to the pool (a broken one is dropped, not reused)."""
     try:
         await pubsub.aclose()
-        await redis.aclose()
     except Exception as exc:  # noqa: BLE001 - closing a broken connection is no error of the lease
         log.debug("closing the news connection: %s", exc)

@@ -32,7 +32,7 @@ from hsx.job_options import JobOptions
 from hsx.manifest import Manifest
 from hsx.samples import Item, sample_item
 from hsx.streams.api_calls import call_api
-from hsx.streams.contract import LEASE_WAIT_SECONDS, lease_wait
+from hsx.streams.contract import lease_wait
 from hsx.streams.reader import ShardGone, Source, item_samples, manifest_for
 
 # (consumer id, item id, delivery, samples in the item): what an acknowledgement needs of a sample.
@@ -61,7 +61,7 @@ class JobStream(IterableDataset[Item]):
         rank: int | None = None,
         lease_seconds: float | None = None,
         poll_seconds: float = 0.5,
-        wait_seconds: float = LEASE_WAIT_SECONDS,
+        wait_seconds: float | None = None,
         verify_checksums: bool = True,
         timeout: float = 60.0,
         outage_seconds: float = 600.0,
@@ -79,7 +79,8 @@ class JobStream(IterableDataset[Item]):
         self.lease_seconds = lease_seconds
         self.poll_seconds = poll_seconds
         # A lease that finds nothing waits this long at the API for the next item (0: poll every
-        # poll_seconds instead); the API answers within it, so it must stay inside the read timeout.
+        # poll_seconds instead); the API answers within it, so it must stay inside the read timeout. None:
+        # LEASE_WAIT_SECONDS, or less where the timeout is short.
         self.wait_seconds = lease_wait(wait_seconds, timeout)
         self.verify_checksums = verify_checksums
         self.timeout = timeout
