@@ -4,6 +4,7 @@ Kimi-K2.5's width (hidden 7168; three aux layers plus the final state: 57 KB a t
 
     hsx bench stream [--samples 64] [--tokens 256] [--samples-per-shard 2] [--cap-fraction 0.1]
                      [--hidden-size 7168] [--num-layers 61] [--processes 2] [--concurrency 4]
+                     [--consumer-check sha256|read] [--wait-seconds 10]
                      [--engine-url URL]   (a running engine, e.g. the patched SGLang, instead)
 
 The cap is ``--cap-fraction`` of what the keep job wrote (so the output is 1/fraction times the cap). The
@@ -94,9 +95,10 @@ class ConsumerTimeline:
 
     PHASES = ("lease", "read", "verify", "ack", "idle")
 
-    def __init__(self, poll_seconds: float = 0.02, wait_seconds: float = 0.0) -> None:
+    def __init__(self, poll_seconds: float = 0.02, wait_seconds: float = 0.0, check: str = "sha256") -> None:
         self.poll_seconds = poll_seconds  # the pause after an empty lease that did not wait
         self.wait_seconds = wait_seconds  # how long a lease waits at the API for an item
+        self.check = check  # "sha256": every byte read and hashed (JobStream's default); "read": read only
         self.lock = threading.Lock()
         self.spent = dict.fromkeys(self.PHASES, 0.0)
         self.calls = dict.fromkeys(self.PHASES, 0)
@@ -118,6 +120,17 @@ class ConsumerTimeline:
     def shares(self, total: float) -> dict[str, float]:
         """Each phase as a share of ``total`` (ranks x the job's seconds)."""
         return {f"consumer_{name}": round(value / max(total, 1e-9), 3) for name, value in self.spent.items()}
+
+
+def read_every_byte(path: Path) -> int:
+    """What a trainer that does not check sums (``JobStream(verify_checksums=False)``) still does with a
+    shard: read every byte of its tensors. 1 MiB at a time into one buffer, nothing kept."""
+    buffer = bytearray(1 << 20)
+    total = 0
+    with path.open("rb", buffering=0) as handle:
+        while count := handle.readinto(buffer):
+            total += count
+    return total
 
 
 def consume(stack: Any, job_id: str, seen: list[int], ranks: int, timeline: ConsumerTimeline) -> None:
@@ -179,7 +192,10 @@ def _rank(
                     seen.extend(int(i) for i in view.indices)
                     del view
                     mark = timeline.add("read", mark)
-                    open_item(item, manifest, verify=True)  # reads every byte (the sha256)
+                    if timeline.check == "sha256":
+                        open_item(item, manifest, verify=True)  # reads every byte (the sha256)
+                    else:
+                        read_every_byte(Path(item["path"]))
                     mark = timeline.add("verify", mark)
                     acks = {"items": [{"id": item["id"], "delivery": item["delivery"]}]}
                     http.post(f"{base}/consumers/{consumer}/acks", json=acks).raise_for_status()
@@ -227,6 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         default=LEASE_WAIT_SECONDS,
         help="how long a consumer's lease waits at the API for the next item (JobStream's default); 0: "
         "answer at once and poll every --poll-seconds, as before waiting leases",
+    )
+    parser.add_argument(
+        "--consumer-check",
+        choices=["sha256", "read"],
+        default="sha256",
+        help="what a consumer does with every byte of a shard: read and hash it (JobStream's default), or "
+        "only read it (JobStream(verify_checksums=False)); on a host whose cores the workers also use, the "
+        "hashing is CPU the job loses",
     )
     parser.add_argument("--engine-url", help="a running engine (default: start a synthetic one)")
     parser.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
@@ -282,7 +306,7 @@ def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | 
         monitor = Monitor(out / job_id, stack.env["HSX_DATABASE_URL"], job_id)
         monitor.start()
         seen: list[int] = []
-        consumers = ConsumerTimeline(args.poll_seconds, args.wait_seconds)
+        consumers = ConsumerTimeline(args.poll_seconds, args.wait_seconds, args.consumer_check)
         consume(stack, job_id, seen, args.consumers, consumers)
         doc = stack.wait(job_id, timeout=3600)
         consume_cpu = cpu_seconds(stack, since=cpu)
@@ -307,6 +331,7 @@ def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | 
             "consumers": args.consumers,
             "poll_seconds": args.poll_seconds,
             "wait_seconds": args.wait_seconds,
+            "consumer_check": args.consumer_check,
             "job_tok_s": round(job),
             "keep_tok_s": round(keep_rate),
             "keep_before_after": [round(rate) for rate in keep_rates],

@@ -213,3 +213,58 @@ def test_sqlites_claim_check_takes_the_write_lock_as_its_transaction_opens(tmp_p
         streams.touch_consumer(session, "nobody", 0.0)  # a write: this transaction is open already
         with pytest.raises(RuntimeError, match="BEGIN IMMEDIATE must open the transaction"):
             streams.lock_job(session, job_id)
+
+
+def test_a_lease_that_finds_nothing_takes_no_write_lock_and_one_that_leases_does(tmp_path: Path) -> None:
+    """Waiting leases read the table on every commit's news: one that hands nothing out must not queue for
+    SQLite's one write lock behind the workers' claims and commits (it used to write the consumer's last
+    contact first). Another connection holds the lock; the empty lease answers all the same, and records
+    its contact only once ``TOUCH_SECONDS`` have passed. A lease that does hand an item out writes."""
+    from hsx.db.migrate import upgrade
+    from hsx.db.session import session_scope
+    from hsx.settings import get_settings
+    from hsx.streams import repository as streams
+    from hsx.streams.service import TOUCH_SECONDS, StreamService
+
+    path = tmp_path / "leases.sqlite3"
+    url = f"sqlite:///{path}"
+    upgrade(url)
+    job_id = running_job(url, tmp_path / "out", units=2)
+    with session_scope(url) as session:
+        consumer = StreamService(session, get_settings()).register(job_id, "reader", 60)
+        consumer_id, registered = consumer.id, consumer.last_seen
+
+    def lease_in_thread() -> list[object]:
+        answers: list[object] = []
+
+        def run() -> None:
+            with session_scope(url) as session:
+                answers.append(StreamService(session, get_settings()).lease(job_id, consumer_id, 1))
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(5)  # far inside SQLite's 30 s busy timeout: a lease that wanted the lock is still waiting
+        return answers
+
+    def last_seen() -> float:
+        with session_scope(url) as session:
+            found = streams.get_consumer(session, job_id, consumer_id)
+            assert found is not None
+            return float(found.last_seen)
+
+    holder = sqlite3.connect(path, timeout=0, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        answers = lease_in_thread()
+        assert len(answers) == 1 and answers[0].items == []  # type: ignore[attr-defined]
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert last_seen() == registered  # within TOUCH_SECONDS of the last contact: not written
+    time.sleep(TOUCH_SECONDS)
+    assert lease_in_thread()[0].items == []  # type: ignore[attr-defined]
+    assert last_seen() > registered  # a second later, written
+    commit_units(url, job_id, 1)
+    before = last_seen()
+    assert len(lease_in_thread()[0].items) == 1  # type: ignore[attr-defined]
+    assert last_seen() > before  # a lease that hands an item out records the contact with it

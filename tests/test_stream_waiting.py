@@ -250,3 +250,57 @@ def test_the_default_wait_shortens_to_fit_a_short_read_timeout() -> None:
     assert JobStream("http://127.0.0.1:1", "job", timeout=10).wait_seconds == 5.0
     assert JobStream("http://127.0.0.1:1", "job", timeout=4).wait_seconds == 0.0
     assert lease_wait(None, 60) == LEASE_WAIT_SECONDS
+
+
+def test_news_of_an_item_wakes_the_longest_waiting_lease_and_other_news_wakes_all(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three leases of one job wait in one API process, on one shared subscription. News of one item makes
+    one of them read the table, the one that has waited longest; news of anything else makes each read it.
+    (Waking every waiter for each commit made N consumers read the table N times an item.)"""
+    import uuid
+
+    from hsx.settings import Settings
+    from hsx.streams import news
+
+    monkeypatch.setattr(news, "RECHECK_SECONDS", LONG)
+    settings = Settings(redis_url=redis_url, queue_name=f"news-{uuid.uuid4().hex[:8]}")
+    job_id = "job"
+    channel = news.news_channel(settings, job_id)
+    looked: dict[str, int] = {}
+    release = asyncio.Event()
+
+    def looker(name: str) -> Any:
+        async def look() -> bool:
+            looked[name] = looked.get(name, 0) + 1
+            return release.is_set()
+
+        return look
+
+    async def scenario() -> dict[str, Any]:
+        from redis import asyncio as aioredis
+
+        waits = []
+        for name in ("first", "second", "third"):
+            waits.append(
+                asyncio.create_task(news.wait_for(settings, job_id, LONG, looker(name), lambda d: not d))
+            )
+            while looked.get(name) != 1:  # joined, and read the table once: it waits from now on
+                await asyncio.sleep(0.005)
+        publisher = aioredis.Redis.from_url(redis_url)
+        subscribers = dict(await publisher.pubsub_numsub(channel))[channel.encode()]
+        await asyncio.to_thread(news.announce, settings, job_id, news.ITEM)
+        await asyncio.sleep(0.5)
+        after_item = dict(looked)
+        release.set()
+        await asyncio.to_thread(news.announce, settings, job_id)
+        done = await asyncio.wait_for(asyncio.gather(*waits), 10)
+        left = dict(await publisher.pubsub_numsub(channel))[channel.encode()]
+        await publisher.aclose()
+        return {"subscribers": subscribers, "after_item": after_item, "done": done, "left": left}
+
+    got = asyncio.run(scenario())
+    assert got["subscribers"] == 1  # one subscription for the three
+    assert got["after_item"] == {"first": 2, "second": 1, "third": 1}
+    assert got["done"] == [True, True, True] and looked == {"first": 3, "second": 2, "third": 2}
+    assert got["left"] == 0  # the last to leave ended the subscription

@@ -47,7 +47,7 @@ from hsx.settings import Settings
 from hsx.streams import service as stream_service
 from hsx.streams.contract import ClaimWait
 from hsx.streams.deletion import delete_acknowledged_or_log
-from hsx.streams.news import announce
+from hsx.streams.news import ITEM, announce
 from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
@@ -436,7 +436,7 @@ class JobRunner:
             return Outcome(f"unit {unit.unit_index} lease lost; nothing committed", True)
         if job.destination:
             publish_committed(self.db_url, self.job_id, unit.id, self.settings)
-        announce(self.settings, self.job_id)  # a waiting lease hands the new item out now
+        announce(self.settings, self.job_id, ITEM)  # the longest-waiting lease hands the new item out now
         timing = {
             "waiting_s": result.waiting_s,
             "copying_s": result.copying_s,

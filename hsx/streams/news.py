@@ -5,11 +5,16 @@ job ending). A lease that finds nothing waits for news instead of being polled: 
 
 Best effort both ways, as the room signal is (:mod:`hsx.streams.room`): news is only a reason to look
 again, the table decides, and a waiting lease looks again at least every ``RECHECK_SECONDS`` whatever it
-hears, so lost news, a lease that ran out and a job that failed are all seen within that."""
+hears, so lost news, a lease that ran out and a job that failed are all seen within that.
+
+In an API process, the waiting leases of one job share one subscription (:class:`_Listener`). News of a
+new item wakes one of them, the one that has waited longest: an item goes to one consumer, and waking every
+waiter for each commit made N consumers read the table N times an item. Any other news wakes them all."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import weakref
@@ -26,24 +31,22 @@ log = logging.getLogger(__name__)
 NEWS_PREFIX = "hsx-stream-news-"
 # How long a waiting lease trusts the news: at most this long between two reads of the table.
 RECHECK_SECONDS = 1.0
+# What a message says: one more item to hand out (one waiter looks), or anything else (every waiter looks).
+ITEM = "item"
+ANY = "any"
 
 Answer = TypeVar("Answer")
-
-# One asyncio client (and so one connection pool) per event loop and URL: a waiting lease's subscription
-# borrows a connection from it and gives it back, instead of connecting afresh every lease.
-_ASYNC_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, aioredis.Redis]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def news_channel(settings: Settings, job_id: str) -> str:
     return f"{NEWS_PREFIX}{settings.queue_name}-{job_id}"
 
 
-def announce(settings: Settings, job_id: str) -> None:
-    """Tell the job's waiting leases to look again. Call it after the change has committed."""
+def announce(settings: Settings, job_id: str, news: str = ANY) -> None:
+    """Tell the job's waiting leases to look again: one of them for ``ITEM``, all of them otherwise. Call it
+    after the change has committed."""
     try:
-        redis_connection(settings).publish(news_channel(settings, job_id), "1")
+        redis_connection(settings).publish(news_channel(settings, job_id), news)
     except Exception as exc:  # noqa: BLE001 - a waiting lease looks again within RECHECK_SECONDS anyway
         log.warning("could not announce news of job %s's stream: %s", job_id, exc)
 
@@ -56,53 +59,134 @@ async def wait_for(
     worth_waiting: Callable[[Answer], bool],
 ) -> Answer:
     """``look()`` until its answer is not ``worth_waiting`` on, or ``seconds`` have passed: once at once,
-    then on each piece of news and at least every ``RECHECK_SECONDS``. The channel is joined before the
-    first look, so news that comes between a look and the wait is not missed."""
+    then on news for it and at least every ``RECHECK_SECONDS``. The waiter joins the job's listener (which
+    is subscribed by then) before the first look, so news that comes between a look and the wait is not
+    missed: it marks the waiter, whose next wait ends at once."""
     deadline = time.monotonic() + seconds
-    pubsub = _async_client(settings.redis_url).pubsub()
+    listener = await _Listener.join(settings, job_id)
+    waiter = asyncio.Event()
+    if listener is not None:
+        listener.add(waiter)
     try:
-        try:
-            await pubsub.subscribe(news_channel(settings, job_id))
-            listening = True
-        except Exception as exc:  # noqa: BLE001 - without Redis the wait falls back to looking every recheck
-            log.warning("could not listen for news of job %s's stream: %s", job_id, exc)
-            listening = False
         answer = await look()
         while worth_waiting(answer) and (left := deadline - time.monotonic()) > 0:
-            pause = min(left, RECHECK_SECONDS)
-            if listening:
-                listening = await _next_news(pubsub, pause, job_id)
-            else:
-                await asyncio.sleep(pause)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter.wait(), min(left, RECHECK_SECONDS))
+            if listener is not None:
+                listener.requeue(waiter)  # clears it, and puts it last in line for the next item
             answer = await look()
         return answer
     finally:
-        await _close(pubsub)
+        if listener is not None:
+            await listener.leave(waiter)
 
 
-async def _next_news(pubsub: aioredis.client.PubSub, seconds: float, job_id: str) -> bool:
-    """Wait for one message, at most ``seconds``. False when the connection broke (stop listening)."""
-    end = time.monotonic() + seconds
-    try:
-        while (left := end - time.monotonic()) > 0:
-            # A subscription's own confirmation comes back as None here: keep waiting for real news.
-            if await pubsub.get_message(ignore_subscribe_messages=True, timeout=left) is not None:
-                return True
-        return True
-    except Exception as exc:  # noqa: BLE001 - the wait goes on by looking every recheck
-        log.warning("lost the news of job %s's stream: %s", job_id, exc)
-        await asyncio.sleep(max(end - time.monotonic(), 0.0))
-        return False
+class _Listener:
+    """One subscription to one job's news in one event loop, shared by the leases that wait on it; it ends
+    when the last of them leaves. A broken connection ends it too: its waiters go on looking every recheck,
+    and the next lease to wait starts a new one."""
 
+    # Per event loop, held weakly (a pool's connections belong to the loop that opened them, and a loop
+    # that is gone, a test's or a restarted server's, takes its listeners and clients with it).
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, _Listener]] = (
+        weakref.WeakKeyDictionary()
+    )
+    _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, aioredis.Redis]] = (
+        weakref.WeakKeyDictionary()
+    )
 
-def _async_client(url: str) -> aioredis.Redis:
-    # Keyed by the loop itself, held weakly: a pool's connections belong to the loop that opened them, and a
-    # loop that is gone (a test's, a restarted server's) takes its clients with it.
-    clients = _ASYNC_CLIENTS.setdefault(asyncio.get_running_loop(), {})
-    client = clients.get(url)
-    if client is None:
-        client = clients[url] = aioredis.Redis.from_url(url, socket_connect_timeout=5)
-    return client
+    def __init__(self, channel: str, pubsub: aioredis.client.PubSub, job_id: str) -> None:
+        self.channel, self.pubsub, self.job_id = channel, pubsub, job_id
+        self.waiters: list[asyncio.Event] = []  # longest waiting first
+        self.task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def join(cls, settings: Settings, job_id: str) -> _Listener | None:
+        """The job's listener in this loop, subscribed; None when Redis cannot be reached."""
+        loop = asyncio.get_running_loop()
+        channel = news_channel(settings, job_id)
+        listeners = cls._by_loop.setdefault(loop, {})
+        listener = listeners.get(channel)
+        if listener is not None:
+            return listener
+        pubsub = cls._client(loop, settings.redis_url).pubsub()
+        try:
+            await pubsub.subscribe(channel)
+        except Exception as exc:  # noqa: BLE001 - without Redis the wait falls back to looking every recheck
+            log.warning("could not listen for news of job %s's stream: %s", job_id, exc)
+            await _close(pubsub)
+            return None
+        # Another lease of the same job may have subscribed meanwhile: keep one listener.
+        if (existing := listeners.get(channel)) is not None:
+            await _close(pubsub)
+            return existing
+        listener = listeners[channel] = cls(channel, pubsub, job_id)
+        listener.task = loop.create_task(listener._read())
+        return listener
+
+    @classmethod
+    def _client(cls, loop: asyncio.AbstractEventLoop, url: str) -> aioredis.Redis:
+        clients = cls._clients.setdefault(loop, {})
+        if (client := clients.get(url)) is None:
+            client = clients[url] = aioredis.Redis.from_url(url, socket_connect_timeout=5)
+        return client
+
+    def add(self, waiter: asyncio.Event) -> None:
+        self.waiters.append(waiter)
+
+    def requeue(self, waiter: asyncio.Event) -> None:
+        waiter.clear()
+        if waiter in self.waiters:
+            self.waiters.remove(waiter)
+            self.waiters.append(waiter)
+
+    async def leave(self, waiter: asyncio.Event) -> None:
+        if waiter in self.waiters:
+            self.waiters.remove(waiter)
+        if not self.waiters:
+            await self._stop()
+
+    def _deliver(self, news: str) -> None:
+        if news == ITEM:
+            # The one waiting longest that is not already woken: it looks, and takes the item or leaves it
+            # to a recheck (another API process's waiter may have taken it first).
+            for waiter in self.waiters:
+                if not waiter.is_set():
+                    waiter.set()
+                    return
+            return
+        for waiter in self.waiters:
+            waiter.set()
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                # A subscription's own confirmation comes back as None here: keep waiting for real news.
+                message = await self.pubsub.get_message(
+                    ignore_subscribe_messages=True, timeout=RECHECK_SECONDS
+                )
+                if message is not None:
+                    data = message.get("data")
+                    self._deliver(data.decode() if isinstance(data, bytes) else str(data))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the waiters go on by looking every recheck
+            log.warning("lost the news of job %s's stream: %s", self.job_id, exc)
+            self._forget()
+            await _close(self.pubsub)
+
+    def _forget(self) -> None:
+        listeners = self._by_loop.get(asyncio.get_running_loop(), {})
+        if listeners.get(self.channel) is self:
+            del listeners[self.channel]
+
+    async def _stop(self) -> None:
+        self._forget()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # it is going either way
+                await self.task
+        await _close(self.pubsub)
 
 
 async def _close(pubsub: aioredis.client.PubSub) -> None:

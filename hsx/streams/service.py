@@ -31,6 +31,10 @@ from hsx.streams.room import signal_room
 
 log = logging.getLogger(__name__)
 
+# A lease that hands nothing out records the consumer's last contact at most this often (idle_seconds in
+# the job document is that much behind at worst).
+TOUCH_SECONDS = 1.0
+
 
 def retention_of(stored: Mapping[str, Any] | None) -> str:
     """A job row's retention, read through the one options model (old rows: keep)."""
@@ -198,10 +202,9 @@ class StreamService:
         job = self._job(job_id)
         consumer = self._consumer(job_id, consumer_id)
         now = time.time()
-        repo.touch_consumer(self.session, consumer.id, now)
         if job.state in (JobState.failed.value, JobState.cancelled.value):
             # A trainer must never take a failed job for the end of its data: it is told, and given nothing.
-            self.session.commit()
+            self._seen(consumer, now, wrote=False)
             return LeaseAnswer(job.state, [], False, job.error)
         # A job published to an object store hands out a shard once it is there, and says where.
         destination = destination_of(job, self.settings)
@@ -229,8 +232,17 @@ class StreamService:
             and job.state == JobState.succeeded.value
             and repo.unacked_outside_group(self.session, job_id, consumer.group_name, now) == 0
         )
-        self.session.commit()
+        self._seen(consumer, now, wrote=bool(items))
         return LeaseAnswer(job.state, items, end, job.error)
+
+    def _seen(self, consumer: StreamConsumer, now: float, wrote: bool) -> None:
+        """Record when the consumer was last heard from, and end the transaction. A lease that leased nothing
+        writes it at most every ``TOUCH_SECONDS``: waiting leases look at every commit's news, and a write
+        each time took SQLite's one write lock (and a row lock on PostgreSQL) from the workers' claims and
+        commits just to move a figure the API shows rounded to a tenth of a second."""
+        if wrote or now - consumer.last_seen >= TOUCH_SECONDS:
+            repo.touch_consumer(self.session, consumer.id, now)
+        self.session.commit()
 
     def ack(self, job_id: str, consumer_id: str, deliveries: list[tuple[int, int]]) -> AckAnswer:
         """Acknowledge deliveries (item id, delivery). Only recorded: in consume mode the workers delete the
@@ -288,11 +300,14 @@ def wake_workers(settings: Settings, session: Session, job_id: str) -> None:
     now = time.time()
     try:
         claimable = job_queries.claimable_count(session, job_id, now)
-        if claimable and may_claim(session, job_id, settings, now, once_deleted=True):
-            session.rollback()  # drop the row lock before talking to Redis
+        # Read without the claim's lock (BEGIN IMMEDIATE on SQLite: the whole database's write lock, taken
+        # on every acknowledgement from the workers' claims and commits): whether a wake-up is worth sending
+        # may be judged on a view a moment old, the claim itself decides under the lock.
+        job = jobs_repo.get_job(session, job_id) if claimable else None
+        room = None if job is None else budget(session, job, settings, now)
+        session.rollback()
+        if job is not None and (room is None or room.may_claim_once_deleted()):
             wake_idle_workers(settings, job_id, claimable)
-        else:
-            session.rollback()
     except Exception as exc:  # noqa: BLE001 - the reconciler is the safety net for a lost wake-up
         log.warning("could not wake workers for job %s after acknowledgements: %s", job_id, exc)
 
