@@ -25,6 +25,7 @@ the calls' count and mean latency; and the CPU seconds of each process over each
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -131,6 +132,61 @@ def read_every_byte(path: Path) -> int:
         while count := handle.readinto(buffer):
             total += count
     return total
+
+
+class DirectoryReaders:
+    """``--keep-readers``: the consumers' reading without the stream, for the keep jobs. ``count`` threads
+    take each shard as it is placed in the job's directory (found by listing it every 20 ms; no API call)
+    and read it as the consumers do (``check``), so the keep baseline pays the same reading on the same
+    cores, and the ratio is what the consume path itself costs."""
+
+    def __init__(self, directory: Path, count: int, check: str) -> None:
+        self.directory, self.check = directory, check
+        self.taken: set[str] = set()
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.read_bytes = 0
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(count)]
+        for thread in self.threads:
+            thread.start()
+
+    def _next(self) -> Path | None:
+        try:
+            names = sorted(e.name for e in os.scandir(self.directory) if e.name.startswith("shard-"))
+        except FileNotFoundError:
+            return None
+        with self.lock:
+            for name in names:
+                if name.endswith(".safetensors") and name not in self.taken:
+                    self.taken.add(name)
+                    return self.directory / name
+        return None
+
+    def _run(self) -> None:
+        while True:
+            path = self._next()
+            if path is None:
+                if self.stopped.is_set():
+                    return
+                time.sleep(0.02)
+                continue
+            if self.check == "sha256":
+                digest = hashlib.sha256()
+                with path.open("rb", buffering=0) as handle:
+                    while chunk := handle.read(1 << 20):
+                        digest.update(chunk)
+                count = path.stat().st_size
+            else:
+                count = read_every_byte(path)
+            with self.lock:
+                self.read_bytes += count
+
+    def finish(self) -> int:
+        """Read what is left, stop, and say how many bytes were read in all."""
+        self.stopped.set()
+        for thread in self.threads:
+            thread.join()
+        return self.read_bytes
 
 
 def consume(stack: Any, job_id: str, seen: list[int], ranks: int, timeline: ConsumerTimeline) -> None:
@@ -252,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         "only read it (JobStream(verify_checksums=False)); on a host whose cores the workers also use, the "
         "hashing is CPU the job loses",
     )
+    parser.add_argument(
+        "--keep-readers",
+        action="store_true",
+        help="the keep jobs get as many readers as the consume job has consumers, reading each shard as it "
+        "is placed (a directory watch, no API) with the same --consumer-check: the baseline then pays the "
+        "same reading on the same cores, and the ratio is the consume path's own cost",
+    )
     parser.add_argument("--engine-url", help="a running engine (default: start a synthetic one)")
     parser.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     args = parser.parse_args(argv)
@@ -280,11 +343,20 @@ def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | 
         out = Path(stack.env["HSX_OUTPUT_DIR"])
         log = stack.local.log_dir / "workers.log"
 
+        keep_read: list[int] = []
+
         def keep_job(when: str) -> tuple[dict[str, Any], dict[str, float]]:
-            say(f"keep job ({when})")
+            say(f"keep job ({when})" + (f", {args.consumers} readers" if args.keep_readers else ""))
             cpu = cpu_seconds(stack)
             keep_id, _ = stack.submit(dataset, samples_per_shard=args.samples_per_shard)
+            readers = (
+                DirectoryReaders(out / keep_id, args.consumers, args.consumer_check)
+                if args.keep_readers
+                else None
+            )
             keep = stack.wait(keep_id, timeout=3600)
+            if readers is not None:
+                keep_read.append(readers.finish())
             spent = cpu_seconds(stack, since=cpu)
             if keep["state"] != "succeeded":
                 raise SystemExit(f"keep job {keep['state']}: {keep.get('error')}")
@@ -332,6 +404,8 @@ def run(args: argparse.Namespace, settings: dict[str, str], database_url: str | 
             "poll_seconds": args.poll_seconds,
             "wait_seconds": args.wait_seconds,
             "consumer_check": args.consumer_check,
+            "keep_readers": args.keep_readers,
+            "keep_read_bytes": keep_read,
             "job_tok_s": round(job),
             "keep_tok_s": round(keep_rate),
             "keep_before_after": [round(rate) for rate in keep_rates],

@@ -268,3 +268,25 @@ def test_a_lease_that_finds_nothing_takes_no_write_lock_and_one_that_leases_does
     before = last_seen()
     assert len(lease_in_thread()[0].items) == 1  # type: ignore[attr-defined]
     assert last_seen() > before  # a lease that hands an item out records the contact with it
+
+
+@pytest.mark.parametrize(
+    ("stored", "acked", "leased", "woken", "why"),
+    [
+        (400, 100, 0, True, "the cap holds the next unit back until the acknowledged shard goes"),
+        (300, 100, 1, True, "the cap holds it back, though a worker holds a unit"),
+        (100, 100, 0, True, "one fits, and no worker holds a unit of the job"),
+        (100, 100, 1, False, "one fits and a worker holds a unit: it claims the next itself"),
+        (400, 0, 0, False, "nothing acknowledged: deleting frees nothing"),
+    ],
+)
+def test_an_acknowledgement_wakes_workers_only_where_the_cap_held_them_or_none_works(
+    stored: int, acked: int, leased: int, woken: bool, why: str
+) -> None:
+    from hsx.streams.contract import Budget
+    from hsx.streams.service import worth_waking
+
+    room = Budget(
+        cap_bytes=400, stored_bytes=stored, acked_stored_bytes=acked, leased_units=leased, unit_bytes=100
+    )
+    assert worth_waking(room) is woken, why

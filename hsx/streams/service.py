@@ -306,10 +306,19 @@ def wake_workers(settings: Settings, session: Session, job_id: str) -> None:
         job = jobs_repo.get_job(session, job_id) if claimable else None
         room = None if job is None else budget(session, job, settings, now)
         session.rollback()
-        if job is not None and (room is None or room.may_claim_once_deleted()):
+        if job is not None and (room is None or worth_waking(room)):
             wake_idle_workers(settings, job_id, claimable)
     except Exception as exc:  # noqa: BLE001 - the reconciler is the safety net for a lost wake-up
         log.warning("could not wake workers for job %s after acknowledgements: %s", job_id, exc)
+
+
+def worth_waking(room: Budget) -> bool:
+    """Whether an acknowledgement should wake idle workers: a unit would fit once the acknowledged shards
+    are deleted, and either the cap is what holds the job back now or no worker holds a unit of it. While
+    workers hold units and one more fits, they claim it themselves and wake others as they do for a keep
+    job; a wake-up sent then only forked a work horse that found the job in hand (one an acknowledgement,
+    bench/RESULTS.md)."""
+    return room.may_claim_once_deleted() and (not room.may_claim() or room.leased_units == 0)
 
 
 @dataclass(frozen=True)
