@@ -45,8 +45,10 @@ def _prefill(url: str, rid: str, input_ids: list[int]) -> dict[str, Any]:
         return json.load(answer)
 
 
-def _bf16(words: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(words).view(np.int16)).view(torch.bfloat16)
+def _bf16(dump: Any, hf_index: int) -> torch.Tensor:
+    """A dumped state as bf16, whatever dtype the engine dumped (SGLang serves bf16; the CPU reference engine
+    dumps float32 unless told otherwise): bf16 goes through float32 and back unchanged."""
+    return torch.from_numpy(dump.state_float32(hf_index)).to(torch.bfloat16)
 
 
 def _save(path: Path, ids: np.ndarray, mask: np.ndarray, final: torch.Tensor, aux: torch.Tensor) -> None:
@@ -74,8 +76,8 @@ def main(argv: list[str]) -> int:
         cached = int(answer["meta_info"].get("cached_tokens") or 0)
         dump = read_dump(dump_dir, rid, 120.0)
         rows = len(dump.input_ids)
-        final = _bf16(dump.states[FINAL_HF])
-        aux = torch.cat([_bf16(dump.states[h]) for h in AUX_HF], dim=-1)
+        final = _bf16(dump, FINAL_HF)
+        aux = torch.cat([_bf16(dump, h) for h in AUX_HF], dim=-1)
         delete_dump(dump_dir, rid)
         if rows != len(ids) - cached:
             raise SystemExit(f"sample {i}: {rows} rows dumped, {len(ids)} sent, {cached} cached")
