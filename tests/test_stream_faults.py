@@ -234,8 +234,17 @@ def shards_on_disk(doc: dict[str, Any]) -> list[Path]:
 def kill_a_worker_whose_horse_holds_a_lease(stack: Stack, job_id: str, worker: Any) -> dict[str, Any]:
     """SIGKILL a worker and its work horse (a process group of its own, which RQ gives it) at a moment the
     horse holds a unit's lease: both are stopped first, and killed only if the unit is still leased to that
-    attempt (else the horse committed meanwhile, and they go on). Returns the unit as it was leased."""
-    from tests.test_faults import all_gone, live_lease, owner_pid, signal_groups, units
+    attempt and no transaction is open (else the horse was committing, and they go on). Returns the unit as
+    it was leased."""
+    from tests.test_faults import (
+        _pause,
+        all_gone,
+        busy_connections,
+        live_lease,
+        owner_pid,
+        signal_groups,
+        units,
+    )
     from tests.test_faults import wait_until as wait_for
 
     db_url = stack.env["HSX_DATABASE_URL"]
@@ -244,7 +253,11 @@ def kill_a_worker_whose_horse_holds_a_lease(stack: Stack, job_id: str, worker: A
         groups = {owner_pid(held["owner"]), worker.pid}
         signal_groups(groups, signal.SIGSTOP)
         now = units(db_url, job_id)[held["index"]]
-        if (now["state"], now["attempt"], now["owner"]) == ("leased", held["attempt"], held["owner"]):
+        # A COMMIT the horse sent just before it stopped can still land after the read above (the database
+        # had not run it yet): kill only once no transaction is open, as tests/test_faults.py does.
+        idle = any(busy_connections(db_url) == 0 or _pause(0.05) for _ in range(20))
+        same = (now["state"], now["attempt"], now["owner"]) == ("leased", held["attempt"], held["owner"])
+        if same and idle:
             signal_groups(groups, signal.SIGKILL)
             wait_until(functools.partial(all_gone, groups), 30, "the killed worker and horse to go", stack)
             return held
@@ -308,7 +321,7 @@ def test_a_consumer_that_never_returns_holds_the_job_and_nothing_unacknowledged_
         wait_until(lambda: worker_idle(stack), 60, "the worker to give the job up", stack)
         doc = stack.job(job_id)
         assert reconcile_once(stack.settings)["woken"] == 0
-        assert queued_wakeups(stack.settings, job_id) == 0 and worker_idle(stack)
+        assert queued_wakeups(stack.settings, job_id) == 0 and worker_idle(stack), stack.logs()
         later = stack.job(job_id)
         os.killpg(hung.pid, signal.SIGKILL)
         hung.wait()
