@@ -46,7 +46,7 @@ from hsx.logging_setup import log_context
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
 from hsx.streams.contract import ClaimWait
-from hsx.streams.deletion import delete_acknowledged_or_log
+from hsx.streams.deletion import BackgroundDeletion
 from hsx.streams.news import ITEM, announce
 from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem
@@ -290,23 +290,45 @@ class JobRunner:
     def _unit_loop(
         self, job: JobView, processor: UnitProcessor, info: EngineInfo, max_units: int | None
     ) -> Outcome:
-        done_here = 0
-        # Seconds before the next unit: deleting acknowledged shards, claiming it, waiting for room under a
+        # This host holds the shards: it deletes what consumers acknowledged, which is what makes room under
+        # a consume job's cap (the API only records acknowledgements).
+        deletion = BackgroundDeletion(self.db_url, self.job_id, self.settings)
+        try:
+            return self._units(job, processor, info, max_units, deletion)
+        finally:
+            deletion.wait()  # no thread outlives the loop
+
+    def _units(
+        self,
+        job: JobView,
+        processor: UnitProcessor,
+        info: EngineInfo,
+        max_units: int | None,
+        deletion: BackgroundDeletion,
+    ) -> Outcome:
+        # Seconds before the next unit: waiting for the deletion, claiming it, waiting for room under a
         # consume job's cap, waking other workers. The unit's log line carries them beside its own
         # (bench/harness.py's timeline).
         before = {"delete_s": 0.0, "claim_s": 0.0, "room_wait_s": 0.0, "wake_s": 0.0}
+        consume, done_here = job.options.retention == CONSUME, 0
+        tight = False  # the cap has refused a claim: from then on delete before each claim, not beside a unit
         while max_units is None or done_here < max_units:
             if SHUTDOWN.is_set():
                 return Outcome(f"stopping after {done_here} unit(s)", True)
-            if job.options.retention == CONSUME:
-                # This host holds the shards: it deletes what consumers acknowledged, which is what makes
-                # room under the cap (the API only records acknowledgements).
-                deleting = time.monotonic()
-                delete_acknowledged_or_log(self.db_url, self.job_id, self.settings)
-                before["delete_s"] += time.monotonic() - deleting
+            deleting = time.monotonic()
+            deletion.wait()
+            if tight:
+                deletion.now()
+            before["delete_s"] += time.monotonic() - deleting
             claiming = time.monotonic()
             unit = retry_db(lambda: self._claim())
             before["claim_s"] += time.monotonic() - claiming
+            if isinstance(unit, ClaimWait) and consume:
+                tight, deleting = True, time.monotonic()
+                freed = deletion.now()  # the room the cap wants may be acknowledged shards still on disk
+                before["delete_s"] += time.monotonic() - deleting
+                if freed:
+                    continue
             if isinstance(unit, ClaimWait):
                 waiting = time.monotonic()
                 room = wait_for_room(self.settings, self.job_id, self.settings.stream_room_wait_seconds)
@@ -322,6 +344,8 @@ class JobRunner:
                 finished = retry_db(lambda: self._finalize())
                 return Outcome(f"{done_here} unit(s); no unit left to claim", not finished)
             crash_point("after_claim")
+            if consume and not tight:
+                deletion.start()
             waking = time.monotonic()
             self._wake_more()
             before["wake_s"] = time.monotonic() - waking
