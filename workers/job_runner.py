@@ -24,12 +24,11 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from hsx import engine_fitness, layout, telemetry
 from hsx.contract import EngineInfo
-from hsx.db.models import Job, JobState
+from hsx.db.models import JobState
 from hsx.db.session import retry_db, session_scope
 from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
 from hsx.faults import crash_point
@@ -39,7 +38,7 @@ from hsx.job_options import CONSUME, JobOptions
 from hsx.jobs import engines_met, queries, recovery
 from hsx.jobs import repository as repo
 from hsx.jobs.finalize import finalize_if_complete
-from hsx.jobs.publication import destination_of, publish_committed
+from hsx.jobs.publication import publish_committed
 from hsx.jobs.queue import wake_idle_workers
 from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
@@ -51,6 +50,7 @@ from hsx.streams.news import ITEM, announce
 from hsx.streams.room import wait_for_room
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
+from workers.job_view import JobView, Outcome
 from workers.lease import LeaseKeeper
 from workers.record_stage import RecordStage, UnitRecord
 from workers.regeneration.stage import record_stage
@@ -73,42 +73,6 @@ def lease_owner(pid: int, engine_url: str) -> str:
 class TokenizerMissing(Exception):
     """Chat records arrived and no usable tokenizer loads (none at the engine's model path or
     HSX_TOKENIZER_PATH, or one without the chat template the job asks for)."""
-
-
-@dataclass
-class Outcome:
-    summary: str
-    more_work: bool
-    timing: dict[str, float] | None = None  # a committed unit's (UnitResult's fields; commit_s, tail_s)
-
-
-@dataclass(frozen=True)
-class JobView:
-    """What a runner needs of the job row, read once per wake-up."""
-
-    state: str
-    options: JobOptions  # the unit size resolved against this deployment's default
-    engine: dict[str, Any] | None
-    dataset_path: str
-    output_dir: str
-    records_path: str | None
-    records_bytes: int | None
-    units_total: int
-    destination: str  # where its shards are published as units commit ("" for nowhere)
-
-    @classmethod
-    def of(cls, job: Job, settings: Settings) -> JobView:
-        return cls(
-            job.state,
-            JobOptions.from_stored(job.options, settings.samples_per_shard),
-            job.engine,
-            job.dataset_path,
-            job.output_dir,
-            job.records_path,
-            job.records_bytes,
-            job.units_total,
-            destination_of(job, settings),
-        )
 
 
 def _rounded(timing: dict[str, float]) -> dict[str, float]:
