@@ -33,6 +33,10 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
         counts = queries.unit_counts(session, job_id)
         if sum(n for state, n in counts.items() if state != UnitState.done.value):
             return False
+        # The job row above was read before the units were counted: the last unit may have committed in
+        # between (its counters and its state in one transaction), so read the row again now that every
+        # unit is done, or the manifest counts a sample short of its shards.
+        session.refresh(job)
         shards = queries.list_shards(session, job_id)
         engine = job.engine or {}
         out = Path(job.output_dir)
