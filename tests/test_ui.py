@@ -101,7 +101,16 @@ def test_dashboard_shows_a_job_finish_runs_verify_cancels_and_retries(
     assert units.count() == doc["progress"]["units_total"]
     shards = doc["shards"]
     more = 1 if shards["total"] > len(shards["items"]) else 0
-    assert tab.locator("#job-shards tr").count() == len(shards["items"]) + more
+    # The panel may first be drawn from a document of a moment before the job ended (one shard, running):
+    # the page's next refresh draws the finished one.
+    expected = len(shards["items"]) + more
+    tab.wait_for_function(
+        "n => document.querySelectorAll('#job-shards tr').length === n"
+        " && document.getElementById('job-state').textContent === 'succeeded'",
+        arg=expected,
+        timeout=15000,
+    )
+    assert tab.locator("#job-shards tr").count() == expected
     assert tab.inner_text("#job-state") == "succeeded"
 
     tab.click("[data-testid=verify]")
