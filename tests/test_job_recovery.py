@@ -30,21 +30,6 @@ postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 CHATS = REPO / "data" / "sample_chats.jsonl"
 
 
-@pytest.fixture
-def synth(
-    db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[Stack, Synthetic]]:
-    from hsx.settings import get_settings
-
-    engine = engines.start()
-    stack = make_stack(db_url, redis_url, engine.url, tmp_path, monkeypatch, heartbeat_seconds="0.2")
-    try:
-        yield stack, engine
-    finally:
-        stack.stop_workers()
-        get_settings.cache_clear()
-
-
 def runner(url: str, unchecked: bool = False, **overrides: Any) -> Any:
     """The job runner of a worker whose engine is at ``url`` (``unchecked``: let in past the preflight and
     the cache rule, see tests.fixtures.unchecked_runner)."""

@@ -12,35 +12,18 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.fixtures.stack import Stack, make_stack
-from tests.fixtures.synthetic import Engines, Synthetic, write_pretokenized
+from tests.fixtures.stack import Stack
+from tests.fixtures.synthetic import Synthetic, write_pretokenized
 from tests.test_streams import ack, consumer, lease, run_worker
 
 LONG = 60.0  # longer than any of these tests: nothing here is answered by a recheck
 WAIT = 30.0  # the longest wait a lease may ask for
 # A lease that answers within this long answered on news: its wait (WAIT) had not run out.
 ON_NEWS = WAIT / 2
-
-
-@pytest.fixture
-def synth(
-    db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[Stack, Synthetic]]:
-    from hsx.settings import get_settings
-
-    engine = engines.start()
-    stack = make_stack(db_url, redis_url, engine.url, tmp_path, monkeypatch, heartbeat_seconds="0.2")
-    try:
-        yield stack, engine
-    finally:
-        stack.stop_workers()
-        get_settings.cache_clear()
 
 
 class Looks:

@@ -9,29 +9,13 @@ process as a work horse would, the API through its real app."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.fixtures.stack import Stack, make_stack
-from tests.fixtures.synthetic import Engines, Synthetic, write_pretokenized
-
-
-@pytest.fixture
-def synth(
-    db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[Stack, Synthetic]]:
-    from hsx.settings import get_settings
-
-    engine = engines.start()
-    stack = make_stack(db_url, redis_url, engine.url, tmp_path, monkeypatch, heartbeat_seconds="0.2")
-    try:
-        yield stack, engine
-    finally:
-        stack.stop_workers()
-        get_settings.cache_clear()
+from tests.fixtures.stack import Stack
+from tests.fixtures.synthetic import Synthetic, write_pretokenized
 
 
 def run_worker(url: str, job_id: str, wait: float = 0) -> Any:

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 LEASE_WAIT_MAX_SECONDS = 30.0
 # The clients' default (JobStream, the SpecForge feeder): one call covers most gaps between two commits.
 LEASE_WAIT_SECONDS = 10.0
-
-
 # A waiting lease's answer must come back this long before the client's read timeout runs out.
 LEASE_WAIT_MARGIN_SECONDS = 5.0
 
@@ -29,7 +27,8 @@ def lease_wait(seconds: float | None, read_timeout: float) -> float:
         raise ValueError(f"wait_seconds must be within 0 and {LEASE_WAIT_MAX_SECONDS:g}, not {seconds:g}")
     if seconds and seconds + LEASE_WAIT_MARGIN_SECONDS > read_timeout:
         raise ValueError(
-            f"wait_seconds {seconds:g} must be at least 5 s shorter than timeout {read_timeout:g}"
+            f"wait_seconds {seconds:g} must be at least {LEASE_WAIT_MARGIN_SECONDS:g} s shorter than timeout "
+            f"{read_timeout:g}"
         )
     return float(seconds)
 

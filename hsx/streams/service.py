@@ -78,12 +78,9 @@ def record_item(session: Session, committed: CommittedUnit) -> None:
         repo.add_item(session, unit.job_id, committed.shard_id, unit.unit_index, committed.shard.bytes)
 
 
-def may_claim(
-    session: Session, job_id: str, settings: Settings, now: float, *, once_deleted: bool = False
-) -> bool:
+def may_claim(session: Session, job_id: str, settings: Settings, now: float) -> bool:
     """Called in the claim's own transaction: the job row is locked first, so claims of one consume job
-    are decided one after another and the cap holds with any number of workers. ``once_deleted``: would
-    one fit once the acknowledged shards are deleted (whether a wake-up is worth sending)."""
+    are decided one after another and the cap holds with any number of workers."""
     options = repo.job_options(session, job_id)
     if options is None or retention_of(options) != CONSUME:
         return options is not None  # a keep job's claims take no lock
@@ -93,7 +90,7 @@ def may_claim(
     room = budget(session, job, settings, now)
     if room is None:
         return True
-    return room.may_claim_once_deleted() if once_deleted else room.may_claim()
+    return room.may_claim()
 
 
 def waiting_on_consumers(session: Session, job: Job, settings: Settings, now: float) -> bool:
