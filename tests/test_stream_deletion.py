@@ -187,8 +187,14 @@ def test_a_consume_job_whose_api_cannot_write_or_see_the_output_streams_and_its_
             consumer.join(240)
         for consumer in consumers:
             assert consumer.error is None, (consumer.error, stack.logs())
+
         # The last shards were acknowledged after the job succeeded: a worker host's reconciler deletes them.
-        wait_for(lambda: not list(output_dir.glob("shard-*")), 60, "the acknowledged shards gone", stack)
+        # A deletion is recorded just after its file goes, so wait for the record, not only the file.
+        def deleted() -> bool:
+            stored = http.get(f"/jobs/{job_id}").json()["stream"]["stored_bytes"]
+            return not list(output_dir.glob("shard-*")) and stored == 0
+
+        wait_for(deleted, 60, "the acknowledged shards gone and recorded", stack)
         watch.stopped.set()
         watch.join()
         doc = http.get(f"/jobs/{job_id}").json()
