@@ -12,8 +12,9 @@
   connections of their own whose socket timeout is the wait plus the bound, so a wait ends on its own
   terms, with no Redis timeout, however long the setting asks for.
 * **RQ's own** (the worker's blocking pop for wake-ups, its heartbeats and command channel):
-  :func:`rq_connection`, a fresh pool that RQ sets as it needs. RQ's calls on it may wait out a hung Redis;
-  the work does not, and carries on once Redis answers again.
+  :func:`rq_connection`, a fresh pool that RQ sets as it needs. RQ's calls on it may wait out a hung Redis
+  (an idle worker's pop, a horse's start and end), and go on once it answers; the work in a horse never
+  waits on them.
 
 Stream news (:mod:`hsx.streams.news`) subscribes through redis' asyncio client, on connections of its
 own: each read of a subscription names its own timeout, and connecting and subscribing are bounded as a
@@ -49,7 +50,7 @@ class _PinnedTimeout(dict[str, Any]):
             self[key] = value
 
 
-_POOLS: dict[tuple[str, float], ConnectionPool] = {}
+_POOLS: dict[tuple[str, float, float], ConnectionPool] = {}
 _POOLS_LOCK = threading.Lock()
 
 
@@ -58,12 +59,12 @@ def _no_retry() -> Retry:
     return Retry(NoBackoff(), 0)
 
 
-def _pool(url: str, socket_timeout: float, connect_timeout: float, pinned: bool) -> ConnectionPool:
-    """The process's pool for these arguments, made once. A fresh pool a call cost the API a TCP connect
-    (and its teardown) for every room token, wake-up and stream news an acknowledgement sends (about 14 ms
-    of CPU a stream request, bench/RESULTS.md). redis-py's pool notices a fork and starts empty in the
-    child, so a work horse never shares its parent's sockets."""
-    key = (url, socket_timeout)
+def _pool(url: str, socket_timeout: float, connect_timeout: float) -> ConnectionPool:
+    """The process's pool for these arguments, made once, its socket timeout pinned. A fresh pool a call
+    cost the API a TCP connect (and its teardown) for every room token, wake-up and stream news an
+    acknowledgement sends (about 14 ms of CPU a stream request, bench/RESULTS.md). redis-py's pool notices
+    a fork and starts empty in the child, so a work horse never shares its parent's sockets."""
+    key = (url, socket_timeout, connect_timeout)
     pool = _POOLS.get(key)
     if pool is None:
         with _POOLS_LOCK:
@@ -75,8 +76,7 @@ def _pool(url: str, socket_timeout: float, connect_timeout: float, pinned: bool)
                     socket_connect_timeout=connect_timeout,
                     retry=_no_retry(),
                 )
-                if pinned:
-                    pool.connection_kwargs = _PinnedTimeout(pool.connection_kwargs)
+                pool.connection_kwargs = _PinnedTimeout(pool.connection_kwargs)
                 _POOLS[key] = pool
     return pool
 
@@ -85,7 +85,7 @@ def redis_connection(settings: Settings) -> Redis:
     """A client for short calls: each gives up after ``HSX_REDIS_TIMEOUT_SECONDS`` of silence, whatever
     RQ has done in this process. Never for a blocking command (BLPOP, a subscription's reads)."""
     bound = settings.redis_timeout_seconds
-    return Redis(connection_pool=_pool(settings.redis_url, bound, bound, pinned=True))
+    return Redis(connection_pool=_pool(settings.redis_url, bound, bound))
 
 
 def waiting_timeout(settings: Settings, wait_seconds: float) -> float:
@@ -98,9 +98,7 @@ def waiting_connection(settings: Settings, wait_seconds: float) -> Redis:
     """A client for a blocking command that waits up to ``wait_seconds`` on the server, on a pool apart
     from the short calls' (one per wait length: the setting's, in practice)."""
     timeout = waiting_timeout(settings, wait_seconds)
-    return Redis(
-        connection_pool=_pool(settings.redis_url, timeout, settings.redis_timeout_seconds, pinned=True)
-    )
+    return Redis(connection_pool=_pool(settings.redis_url, timeout, settings.redis_timeout_seconds))
 
 
 def rq_connection(settings: Settings) -> Redis:
