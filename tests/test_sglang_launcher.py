@@ -167,6 +167,7 @@ def test_hsx_info_records_the_final_state_and_the_engine_facts(final_state: str)
         "supported_versions": SUPPORTED_RANGE,
         "version_in_range": True,
         "tp_size": 2,
+        contract.PARALLEL_LAYOUT: contract.ParallelLayout(tp=2).to_dict(),
         "chunked_prefill_size": 2048,
         "attention_backend": "triton",
         "flashinfer_allreduce_fusion_backend": None,
