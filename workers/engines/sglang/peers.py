@@ -95,13 +95,17 @@ def _key(rank: int) -> str:
     return f"{PREFIX}{rank}"
 
 
-def _missing(store: Any, ranks: Sequence[int], wait_s: float) -> list[int]:
-    """The ranks that did not post within ``wait_s`` (waiting once for all of them)."""
+def _sees_key(rank: int) -> str:
+    return f"{PREFIX}{rank}/sees-dump-dir"
+
+
+def _missing(store: Any, keys: Sequence[str], wait_s: float) -> list[str]:
+    """The keys not posted within ``wait_s`` (waiting once for all of them)."""
     try:
-        store.wait([_key(r) for r in ranks], timedelta(seconds=wait_s))
+        store.wait(list(keys), timedelta(seconds=wait_s))
         return []
     except RuntimeError:  # torch's DistStoreError (a timeout) is one
-        return [r for r in ranks if not store.check([_key(r)])]
+        return [k for k in keys if not store.check([k])]
 
 
 def _differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
@@ -123,43 +127,45 @@ def check_peers(
     shared_dump_dir: bool = False,
 ) -> None:
     """Post this rank's flags and check them against the other nodes' (see the module doc); raises
-    :class:`PeerMismatch` with the reason."""
+    :class:`PeerMismatch` with the reason. Every rank posts before it waits, so no rank's post waits on
+    another's: only a rank that runs no hsx plugin leaves a wait to time out."""
     node = node_of(rank, world_size, nnodes)
     if rank == 0:
         marker = None
         if shared_dump_dir and dump_dir:
             token = secrets.token_hex(8)
             marker = os.path.join(dump_dir, MARKER_FILE.format(token=token))
+            os.makedirs(dump_dir, exist_ok=True)
             with open(marker, "w"):
                 pass
-            store.set(MARKER_KEY, token)
-        store.set(_key(0), json.dumps({"flags": flags, "sees_dump_dir": True}))
+            store.set(MARKER_KEY, token)  # before rank 0's post: whoever sees that post finds the token
+        store.set(_key(0), json.dumps(flags))
         try:
-            _check_all(store, world_size, nnodes, flags, wait_s, shared_dump_dir)
+            _check_all(store, world_size, nnodes, flags, wait_s, bool(marker))
         finally:
             if marker is not None:
                 os.unlink(marker)
         return
-    missing = _missing(store, [0], wait_s)
-    sees = None
-    if shared_dump_dir and dump_dir and not missing:
-        token = store.get(MARKER_KEY).decode()
-        sees = os.path.exists(os.path.join(dump_dir, MARKER_FILE.format(token=token)))
-    store.set(_key(rank), json.dumps({"flags": flags, "sees_dump_dir": sees}))
-    if missing:
+    store.set(_key(rank), json.dumps(flags))
+    if _missing(store, [_key(0)], wait_s):
         raise PeerMismatch(
             f"rank 0 (node 0) did not say within {wait_s:g} s how it runs: node 0 does not run the hsx "
             f"launcher (this is node {node}); start every node with `hsx engine --backend sglang`"
         )
-    diff = _differences(flags, json.loads(store.get(_key(0)))["flags"])
+    if shared_dump_dir and dump_dir:
+        token = store.get(MARKER_KEY).decode()
+        sees = os.path.exists(os.path.join(dump_dir, MARKER_FILE.format(token=token)))
+        store.set(_sees_key(rank), "1" if sees else "0")
+    diff = _differences(flags, json.loads(store.get(_key(0))))
     if diff:
         raise PeerMismatch(f"node 0 runs with other flags than node {node}: " + "; ".join(diff))
 
 
 def _check_all(
-    store: Any, world_size: int, nnodes: int, flags: dict[str, Any], wait_s: float, shared: bool
+    store: Any, world_size: int, nnodes: int, flags: dict[str, Any], wait_s: float, marker: bool
 ) -> None:
-    missing = _missing(store, list(range(1, world_size)), wait_s)
+    others = range(1, world_size)
+    missing = [r for r in others if _key(r) in _missing(store, [_key(r) for r in others], wait_s)]
     if missing:
         nodes = sorted({node_of(r, world_size, nnodes) for r in missing})
         raise PeerMismatch(
@@ -168,13 +174,19 @@ def _check_all(
             "the same flags"
         )
     problems: dict[int, str] = {}  # the first problem of each node (its ranks were started alike)
-    for r in range(1, world_size):
-        report = json.loads(store.get(_key(r)))
+    for r in others:
         other = node_of(r, world_size, nnodes)
-        diff = _differences(flags, report["flags"])
+        diff = _differences(flags, json.loads(store.get(_key(r))))
         if diff:
             problems.setdefault(other, f"node {other} (rank {r}) runs with other flags: " + "; ".join(diff))
-        if shared and report.get("sees_dump_dir") is False:
-            problems.setdefault(other, f"node {other} (rank {r}) does not see node 0's dump dir in its own")
+    if marker and not problems:  # every other rank said it runs with --shared-dump-dir too
+        remote = [r for r in others if node_of(r, world_size, nnodes) != 0]
+        unseen = _missing(store, [_sees_key(r) for r in remote], wait_s)
+        for r in remote:
+            if _sees_key(r) in unseen or store.get(_sees_key(r)) != b"1":
+                other = node_of(r, world_size, nnodes)
+                problems.setdefault(
+                    other, f"node {other} (rank {r}) does not see node 0's dump dir in its own"
+                )
     if problems:
         raise PeerMismatch("; ".join(problems.values()))
