@@ -72,7 +72,9 @@ def test_hsx_info_with_and_without_a_layout() -> None:
 
 
 def test_a_manifest_records_the_layout_and_an_older_one_still_loads(tmp_path: Path) -> None:
-    manifest = job_manifest("job", engine_record(**{contract.PARALLEL_LAYOUT: KIMI_LAYOUT.to_dict()}), fp8=False)
+    manifest = job_manifest(
+        "job", engine_record(**{contract.PARALLEL_LAYOUT: KIMI_LAYOUT.to_dict()}), fp8=False
+    )
     assert manifest.engine[contract.PARALLEL_LAYOUT] == KIMI_LAYOUT.to_dict()
     manifest.write(tmp_path / "new")
     assert Manifest.load(tmp_path / "new").parallel_layout == KIMI_LAYOUT
