@@ -235,6 +235,8 @@ def test_the_plugin_config_travels_through_the_environment() -> None:
         switch_interval_ms=0,
         final_state="pre",
         allow_any_version=True,
+        shared_dump_dir=True,
+        peer_wait_seconds=12.5,
     )
     env = cfg.to_env()
     assert env[ENV_FINAL_STATE] == "pre"
