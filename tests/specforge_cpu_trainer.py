@@ -2,35 +2,23 @@
 
     python tests/specforge_cpu_trainer.py train -c run.yaml --role consumer
 
-One thing of SpecForge's cannot run here: its EAGLE-3 loss, ``specforge.core.loss.LogSoftmaxLoss``, is a
-Triton kernel (a real ``triton`` imports on CPU, and the kernel's first launch fails with "0 active
-drivers"), and ``specforge/core/loss.py`` imports ``triton`` at import. So, and only on a host without
-CUDA: where ``triton`` is not installed a stand-in module lets that file import (its kernels are then
-never launched), and ``LogSoftmaxLoss`` is replaced by the reference formula beside it in the same file
-(``_compute_loss``: ``-(mask * target * log_softmax(logits)).sum(-1).mean()``, the value the kernel
-computes, here without ``torch.compile``). Everything else, from the config through the optimizer steps
-and checkpoints to the consumer's sentinels, is SpecForge's.
+Two things of SpecForge's cannot run here. Its trainer wraps the draft in FSDP (``training.fsdp_sharding``
+SHARD_GRAD_OP by default), which needs an accelerator; on CPU the run gets SpecForge's own override
+``training.fsdp_sharding=NO_SHARD``, its DDP path (with one rank, the same steps). And one module: ``specforge/core/loss.py``, whose ``LogSoftmaxLoss`` (the
+EAGLE-3 loss) is a Triton kernel. It imports ``triton`` at import; with a real ``triton`` installed it
+imports on CPU, and the kernel's first launch fails ("0 active drivers"); a stand-in ``triton`` module
+breaks torch's own compiler, which looks for triton too. So, and only on a host without CUDA, that one
+module is replaced before anything imports it by one holding the reference formula that sits beside the
+kernel in the same file (``_compute_loss``: ``-(mask * target * log_softmax(logits)).sum(-1).mean()``, the
+value the kernel computes), without ``torch.compile``. Everything else, from the config through the
+optimizer steps and checkpoints to the consumer's sentinels, is SpecForge's.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import types
 from typing import Any
-
-
-def _stand_in_triton() -> None:
-    """Just enough of triton for ``specforge/core/loss.py`` to import: ``@triton.jit`` and the
-    ``tl.constexpr`` annotations its kernels are defined with."""
-    triton: Any = types.ModuleType("triton")
-    language: Any = types.ModuleType("triton.language")
-    triton.jit = lambda fn=None, **_kw: fn if fn is not None else (lambda f: f)
-    triton.next_power_of_2 = lambda n: 1 << max(int(n) - 1, 0).bit_length()
-    language.constexpr = int
-    triton.language = language
-    sys.modules["triton"] = triton
-    sys.modules["triton.language"] = language
 
 
 def _cpu_loss() -> None:
@@ -38,23 +26,33 @@ def _cpu_loss() -> None:
 
     if torch.cuda.is_available():
         return  # a GPU runs SpecForge's own kernel
-    if importlib.util.find_spec("triton") is None:
-        _stand_in_triton()
-    from specforge.core import loss
 
-    def reference(logits: torch.Tensor, target_p: torch.Tensor, position_mask: torch.Tensor) -> torch.Tensor:
+    def _compute_loss(logits: torch.Tensor, target_p: torch.Tensor, position_mask: torch.Tensor) -> torch.Tensor:
         out_logp = torch.log_softmax(logits.float(), dim=2)
         return -torch.sum(position_mask * target_p * out_logp, 2).mean()
 
-    class CpuLogSoftmaxLoss:
-        apply = staticmethod(reference)
+    class LogSoftmaxLoss:
+        apply = staticmethod(_compute_loss)
 
-    # Before specforge.algorithms.eagle3.model imports the name from the module.
-    loss.LogSoftmaxLoss = CpuLogSoftmaxLoss
+    import specforge.core
+
+    module: Any = types.ModuleType("specforge.core.loss", "SpecForge's EAGLE-3 loss, its reference formula")
+    module._compute_loss = _compute_loss
+    module.LogSoftmaxLoss = LogSoftmaxLoss
+    sys.modules["specforge.core.loss"] = module
+    specforge.core.loss = module  # type: ignore[attr-defined]
+
+
+def _cpu_argv(argv: list[str]) -> list[str]:
+    import torch
+
+    if torch.cuda.is_available() or not argv or argv[0] != "train":
+        return argv
+    return [*argv, "training.fsdp_sharding=NO_SHARD"]  # a dotted override, as `specforge train` takes them
 
 
 if __name__ == "__main__":
     _cpu_loss()
     from specforge.cli import main
 
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(_cpu_argv(sys.argv[1:])))

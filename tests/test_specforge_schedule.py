@@ -220,8 +220,7 @@ def test_streamed_status_reads_the_data_wait_from_specforges_own_log_lines(
     _logger({"loss": 2.0, "perf/data_wait_time_s": 0.5, "acces": [0.1, 0.2]}, 5)
     _logger({"loss": 1.5, "perf/data_wait_time_s": 0.25, "acces": [0.3, 0.4]}, 10)
     log = tmp_path / "train.log"
-    bar = "Training:  83%|########3 | 10/12 [00:04<00:00,  2.1step/s]"
-    log.write_text(capsys.readouterr().out + "\r" + bar + "\n")
+    log.write_text(capsys.readouterr().out)
     spec = importlib.util.spec_from_file_location("streamed", STREAMED.with_suffix(".py"))
     assert spec is not None and spec.loader is not None
     streamed = importlib.util.module_from_spec(spec)
@@ -229,7 +228,6 @@ def test_streamed_status_reads_the_data_wait_from_specforges_own_log_lines(
     got = streamed.trainer_progress(log)
     assert got == {
         "step": 10,
-        "total_steps": 12,
         "data_wait_s": 0.5 * 5 + 0.25 * 5,
         "data_wait_through_step": 10,
         "log_interval": 5,

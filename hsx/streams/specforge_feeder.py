@@ -42,6 +42,7 @@ from hsx.streams.specforge_schedule import (
     SCHEDULE_SUFFIX,
     TrainerConfigError,
     TrainerRun,
+    dtype_problem,
     num_prompts,
     schedule_record,
 )
@@ -140,11 +141,12 @@ class SpecForgeFeeder:
                 return "feeder stopped before the job started"
             time.sleep(self.poll_seconds)
 
-    def _publish_schedule(self, run: TrainerRun, samples_total: int) -> str | None:
+    def _publish_schedule(self, run: TrainerRun, samples_total: int, dtype: str | None = None) -> str | None:
         """Write ``<channel>.schedule.json`` for the job's samples; or why the trainer cannot have one."""
-        if run.fixed_horizon:
-            return None  # the consumer trains its own total_steps/max_steps and reads no record
         try:
+            problem = dtype_problem(dtype) if dtype else None
+            if problem is not None or run.fixed_horizon:  # a fixed horizon: the consumer reads no record
+                return problem and f"hsx job {self.job_id}: {problem}"
             record = schedule_record(run, num_prompts(run, samples_total, self.prompts))
         except TrainerConfigError as exc:
             return f"hsx job {self.job_id}: {exc}"
@@ -192,7 +194,8 @@ class SpecForgeFeeder:
                 "captured only the pre-norm one (final_state 'pre')"
             )
         elif self.trainer is not None:
-            reason = self._publish_schedule(self.trainer, int(started["progress"]["samples_total"]))
+            total = int(started["progress"]["samples_total"])
+            reason = self._publish_schedule(self.trainer, total, manifest.dtype)
         if reason is not None:
             # Before any ref: a consumer waiting for the schedule record raises with this reason.
             self.channel.fail(reason)

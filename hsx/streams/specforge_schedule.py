@@ -158,6 +158,26 @@ def schedule_record(run: TrainerRun, num_prompts: int) -> dict[str, Any]:
     }
 
 
+# The torch dtype the feeder's tensors have for each manifest dtype (fp8 comes dequantized to bfloat16).
+FEATURE_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "bfloat16"}
+# SpecForge 0.2.0's TargetHead.from_pretrained moves the head to bfloat16 whatever model.torch_dtype says.
+TARGET_HEAD_DTYPE = "bfloat16"
+
+
+def dtype_problem(manifest_dtype: str) -> str | None:
+    """SpecForge's online consumer hands the target state as it comes to its bfloat16 target head
+    (``_prepare_eagle_target``: ``target_head(target.to(device))``): another dtype fails its first
+    optimizer step with a matmul dtype error, so say it before the trainer starts instead."""
+    got = FEATURE_DTYPES.get(manifest_dtype, manifest_dtype)
+    if got == TARGET_HEAD_DTYPE:
+        return None
+    return (
+        f"the job's states are {got} ({manifest_dtype}), and SpecForge 0.2.0's online consumer hands them "
+        f"unconverted to its {TARGET_HEAD_DTYPE} target head: capture in {TARGET_HEAD_DTYPE} (the engine's "
+        "--dtype)"
+    )
+
+
 def schedule_path(channel: Path) -> Path:
     return channel.with_name(channel.name + SCHEDULE_SUFFIX)
 

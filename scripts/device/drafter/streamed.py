@@ -30,7 +30,6 @@ FINAL = {"succeeded", "failed", "cancelled"}
 # controller's metrics hold perf/data_wait_time_s, the mean wait for the next batch per step of the window.
 METRICS_LINE = re.compile(r"^step (\d+): \{")
 DATA_WAIT = re.compile(r"'perf/data_wait_time_s': ([-+0-9.eE]+|nan|inf)")
-TQDM_STEP = re.compile(r"Training:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
 
 
 def expect(dataset: str, engine_url: str, max_length: int, samples_per_shard: int) -> int:
@@ -78,7 +77,7 @@ def _disk_bytes(output_dir: str) -> int:
 
 
 def monitor(state: Path) -> None:
-    peaks = {"stored_bytes": 0, "stored_and_in_flight_bytes": 0, "disk_bytes": 0, "samples": 0}
+    peaks = {"stored_bytes": 0, "stored_and_in_flight_bytes": 0, "disk_bytes": 0}
     trainer_exit = Path(_read(state / "train_dir") or state) / "exit"
     while True:
         doc = _job(state)
@@ -99,9 +98,25 @@ def monitor(state: Path) -> None:
         time.sleep(0.5)
 
 
+def durable_step(control: Path) -> int | None:
+    """The optimizer step the consumer's own ledger has made durable (its SQLite ``marker`` table, the
+    step its acknowledgements are committed at), read-only."""
+    import sqlite3
+
+    path = control / "consumer.sqlite"
+    if not path.exists():
+        return None
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as db:
+            row = db.execute("SELECT v FROM marker WHERE k = 'global_step'").fetchone()
+    except sqlite3.Error:
+        return None
+    return int(row[0]) if row else 0
+
+
 def trainer_progress(log: Path) -> dict[str, Any]:
-    """The trainer's last step and how long it waited for data, as far as its log says."""
-    step, total, waited, logged = 0, None, 0.0, 0
+    """The trainer's last logged step and how long it waited for data, as far as its log says."""
+    step, waited, logged = 0, 0.0, 0
     interval = None
     try:
         text = log.read_text(errors="replace")
@@ -109,9 +124,6 @@ def trainer_progress(log: Path) -> dict[str, Any]:
         return {"step": 0}
     last_logged = 0
     for line in re.split(r"[\r\n]", text):
-        bar = TQDM_STEP.search(line)
-        if bar:
-            step, total = max(step, int(bar.group(1))), int(bar.group(2))
         match = METRICS_LINE.match(line)
         if match:
             at = int(match.group(1))
@@ -122,7 +134,6 @@ def trainer_progress(log: Path) -> dict[str, Any]:
             waited += float(wait.group(1)) * window if wait else 0.0
     return {
         "step": step,
-        "total_steps": total,
         "data_wait_s": round(waited, 3),
         "data_wait_through_step": logged,
         "log_interval": interval,
@@ -159,7 +170,12 @@ def status(state: Path) -> dict[str, Any]:
     peaks = _read(state / "peak.json")
     out["peak"] = json.loads(peaks) if peaks else None
     train_dir = Path(_read(state / "train_dir") or state)
-    out["trainer"] = trainer_progress(Path(_read(state / "train_log") or train_dir / "train.log"))
+    trainer = trainer_progress(Path(_read(state / "train_log") or train_dir / "train.log"))
+    durable = durable_step(state / "control")
+    trainer["step"] = max(trainer["step"], durable or 0)
+    schedule = _read(state / "control" / "refs.jsonl.schedule.json")
+    trainer["total_steps"] = json.loads(schedule)["total_steps"] if schedule else None
+    out["trainer"] = trainer
     out["trainer_exit"] = int(_read(train_dir / "exit") or -1) if (train_dir / "exit").exists() else None
     out["feeder_exit"] = int(_read(state / "feeder.exit") or -1) if (state / "feeder.exit").exists() else None
     out["alive"] = {name: _alive(state, name) for name in ("trainer", "feeder", "worker", "api")}

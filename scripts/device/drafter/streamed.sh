@@ -15,7 +15,9 @@
 # PORT_BASE (six ports from it: Redis, API, Mooncake rpc, metadata, metrics, trainer). Optional: PY
 # (python3), SPECFORGE (the trainer's command, default "$PY -m specforge.cli"), SHARD (samples per
 # shard, 32), WINDOW (the feeder's refs in flight, 64), CONCURRENCY (the worker's requests, 32),
-# LOG_INTERVAL (the trainer's, 20 as in train_one).
+# LOG_INTERVAL (the trainer's, 20 as in train_one). The engine must serve the target in bfloat16: SpecForge
+# 0.2.0's online consumer hands the states unconverted to its bfloat16 target head and draft (the feeder
+# refuses another dtype).
 #
 # SpecForge 0.2.0's online consumer reads features from Mooncake only (its config refuses shared_dir for
 # online runs), so this starts a mooncake_master, and the feeder puts each sample's tensors into it; the
