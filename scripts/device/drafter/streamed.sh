@@ -8,6 +8,8 @@
 #   bash scripts/device/drafter/streamed.sh status   # one JSON line
 #   bash scripts/device/drafter/streamed.sh stop     # stops everything start started, by pid
 #   bash scripts/device/drafter/streamed.sh config   # only writes the trainer's YAML ($W/streamed/run.yaml)
+#   bash scripts/device/drafter/streamed.sh install  # Mooncake from .device/mooncake (fetch_mooncake.sh),
+#                                                    # into $HSX_SITE (/tmp/hsx-site) and /tmp/hsx-lib
 #
 # Inputs (environment): W (work dir), MODEL (target model dir), TRAIN_JSONL ({"id", "messages"} lines),
 # VOCAB_MAPPING (the hsx export's vocab_mapping.pt), ENGINE_URL (a running hsx engine), DRAFT_CONFIG,
@@ -35,12 +37,28 @@ export PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_
 # This script owns its processes' stream settings: none may come from the caller's environment (SpecForge's
 # launcher lets MOONCAKE_* and some DISAGG_* in the environment win over the YAML).
 for v in $(env | grep -oE '^(DISAGG|MOONCAKE)_[A-Z_]+'); do unset "$v"; done
+# Mooncake loads libibverbs and libnl even over TCP; `install` leaves Debian's copies here for an image
+# without them (the image's own, when it has them, are used).
+if [ -d /tmp/hsx-lib ] && ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
+  export LD_LIBRARY_PATH="/tmp/hsx-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 
 need() {
   local missing=()
   for v in "$@"; do [ -n "${!v:-}" ] || missing+=("$v"); done
   [ ${#missing[@]} -eq 0 ] || { echo "streamed.sh: set ${missing[*]}" >&2; exit 2; }
 }
+install() {
+  local site=${HSX_SITE:-/tmp/hsx-site} src=$R/.device/mooncake
+  ls "$src"/*.whl > /dev/null 2>&1 || { echo "streamed.sh: no $src (scripts/device/drafter/fetch_mooncake.sh)" >&2; exit 2; }
+  $PY -m pip install -q --no-index --no-deps --no-compile --target "$site" "$src"/*.whl || exit 1
+  rm -rf /tmp/hsx-debs; mkdir -p /tmp/hsx-lib
+  for deb in "$src"/*.deb; do dpkg-deb -x "$deb" /tmp/hsx-debs || exit 1; done
+  find /tmp/hsx-debs -name 'lib*.so*' \( -type f -o -type l \) -exec cp -a {} /tmp/hsx-lib/ \;
+  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" $PY -c "import mooncake.store; print('mooncake ok')"
+}
+[ "${1:-}" = install ] && { install; exit $?; }
+
 need W
 S=$W/streamed; TD=$W/train/streamed
 
@@ -201,5 +219,5 @@ case "${1:-}" in
   status) $PY "$D/streamed.py" status "$S" ;;
   stop) stop ;;
   config) write_config; echo "$S/run.yaml" ;;
-  *) echo "usage: streamed.sh start|status|stop|config (see its header)" >&2; exit 2 ;;
+  *) echo "usage: streamed.sh start|status|stop|config|install (see its header)" >&2; exit 2 ;;
 esac
