@@ -4,13 +4,14 @@
 
 Two things of SpecForge's cannot run here. Its trainer wraps the draft in FSDP (``training.fsdp_sharding``
 SHARD_GRAD_OP by default), which needs an accelerator; on CPU the run gets SpecForge's own override
-``training.fsdp_sharding=NO_SHARD``, its DDP path (with one rank, the same steps). And one module: ``specforge/core/loss.py``, whose ``LogSoftmaxLoss`` (the
-EAGLE-3 loss) is a Triton kernel. It imports ``triton`` at import; with a real ``triton`` installed it
-imports on CPU, and the kernel's first launch fails ("0 active drivers"); a stand-in ``triton`` module
-breaks torch's own compiler, which looks for triton too. So, and only on a host without CUDA, that one
-module is replaced before anything imports it by one holding the reference formula that sits beside the
-kernel in the same file (``_compute_loss``: ``-(mask * target * log_softmax(logits)).sum(-1).mean()``, the
-value the kernel computes), without ``torch.compile``. Everything else, from the config through the
+``training.fsdp_sharding=NO_SHARD``, its DDP path (with one rank, the same steps). And one module:
+``specforge/core/loss.py``, whose ``LogSoftmaxLoss`` (the EAGLE-3 loss) is a Triton kernel. It imports
+``triton`` at import; with a real ``triton`` installed it imports on CPU, and the kernel's first launch
+fails ("0 active drivers"); a stand-in ``triton`` module breaks torch's own compiler, which looks for
+triton too. So, and only on a host without CUDA, that one module is replaced before anything imports it
+by one holding the reference formula that sits beside the kernel in the same file (``_compute_loss``:
+``-(mask * target * log_softmax(logits)).sum(-1).mean()``, the value the kernel computes), without
+``torch.compile``. Everything else, from the config through the
 optimizer steps and checkpoints to the consumer's sentinels, is SpecForge's.
 """
 
@@ -27,9 +28,9 @@ def _cpu_loss() -> None:
     if torch.cuda.is_available():
         return  # a GPU runs SpecForge's own kernel
 
-    def _compute_loss(logits: torch.Tensor, target_p: torch.Tensor, position_mask: torch.Tensor) -> torch.Tensor:
+    def _compute_loss(logits: torch.Tensor, target_p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         out_logp = torch.log_softmax(logits.float(), dim=2)
-        return -torch.sum(position_mask * target_p * out_logp, 2).mean()
+        return -torch.sum(mask * target_p * out_logp, 2).mean()
 
     class LogSoftmaxLoss:
         apply = staticmethod(_compute_loss)
