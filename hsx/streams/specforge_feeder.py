@@ -11,10 +11,8 @@ the shard stays leased, so its bytes count against the job's cap. The feeder lea
 exactly as a slow hsx consumer does.
 
 A failed or cancelled job becomes the channel's ``.failed`` sentinel (the trainer raises); a succeeded
-one, once every shard is fed, ``.closed`` (the trainer ends when drained). Given the trainer's run YAML
-(``trainer``), the feeder also writes the schedule record ``specforge train``'s consumer waits for
-(:mod:`hsx.streams.specforge_schedule`) once the job is prepared, and fails the channel rather than close
-it short of the steps that record promised. A restarted feeder
+one, once every shard is fed, ``.closed`` (the trainer ends when drained). Given the trainer's YAML, the
+feeder writes the schedule ``specforge train`` waits for (:mod:`hsx.streams.specforge_schedule`). A restarted feeder
 continues the same channel: refs already appended are not appended again, and the old hsx consumer's
 leases are handed back first so its shards come back at once.
 """
@@ -49,8 +47,7 @@ from hsx.streams.specforge_schedule import (
 
 log = logging.getLogger(__name__)
 
-# How often the feeder reads the job's document while it streams, to stop a stream the job's rejections
-# have made too short for the trainer's schedule (rather than close it at the end, steps short).
+# How often the feeder reads the job's document while it streams: rejections can make it too short.
 PROGRESS_CHECK_SECONDS = 5.0
 
 
@@ -156,7 +153,9 @@ class SpecForgeFeeder:
         existing = self.channel.read_sidecar(SCHEDULE_SUFFIX)
         if existing is None:
             self.channel.write_sidecar(SCHEDULE_SUFFIX, text)
-        elif json.loads(existing) != record:  # a restart with another config or another job's count
+        elif json.loads(existing) != record:
+            # A restart with another config: refuse to feed, but leave the channel (and its trainer) be.
+            self._leave()
             raise FeedError(f"{self.channel_path} already holds the schedule {existing}, not {text}")
         return None
 
@@ -166,9 +165,8 @@ class SpecForgeFeeder:
             return None
         if rejected is not None and rejected > self.spare:
             return (
-                f"hsx job {self.job_id} rejected {rejected} samples: the trainer's schedule needs "
-                f"{self.required} of them, which leaves room for {self.spare} (see GET /jobs/{self.job_id}"
-                "/rejections)"
+                f"hsx job {self.job_id} rejected {rejected} samples (GET /jobs/{{id}}/rejections): the "
+                f"trainer's schedule needs {self.required} of them, which leaves room for {self.spare}"
             )
         if rejected is None and self.channel.appended < self.required:
             return (
