@@ -199,3 +199,5 @@ def test_streamed_sh_runs_specforge_train_as_the_consumer_to_its_last_step(
         stopped = _streamed(env, "stop", timeout=120)
     assert stopped["stopped"] >= 1
     assert not [name for name, pid in pids.items() if _alive(pid)], "streamed.sh stop left processes"
+    after = _streamed(env, "status")  # the numbers outlive the stack: the monitor's last reading
+    assert (after["state"], after["peak"], after["trainer"]["step"]) == ("succeeded", peak, TOTAL_STEPS)

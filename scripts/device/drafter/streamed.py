@@ -81,6 +81,9 @@ def monitor(state: Path) -> None:
     trainer_exit = Path(_read(state / "train_dir") or state) / "exit"
     while True:
         doc = _job(state)
+        if doc is not None:  # status falls back to it once the API is stopped
+            (state / "job.last.json.tmp").write_text(json.dumps(doc))
+            (state / "job.last.json.tmp").replace(state / "job.last.json")
         if doc is not None and doc.get("stream"):
             stream = doc["stream"]
             seen = {
@@ -153,6 +156,9 @@ def _alive(state: Path, name: str) -> bool | None:
 
 def status(state: Path) -> dict[str, Any]:
     doc = _job(state)
+    last = _read(state / "job.last.json")
+    if doc is None and last:
+        doc = json.loads(last)  # the API is gone (stopped): the monitor's last reading
     out: dict[str, Any] = {"job": _read(state / "job_id")}
     if doc is not None:
         progress, stream = doc["progress"], doc.get("stream") or {}

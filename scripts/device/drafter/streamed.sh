@@ -153,6 +153,7 @@ start() {
   command -v redis-server > /dev/null || { echo "streamed.sh: no redis-server on PATH" >&2; exit 2; }
   rm -rf "$S" "$TD"; mkdir -p "$S/hsx" "$TD" "$OUT"
   write_config
+  cp "$S/run.yaml" "$OUT/streamed_run.yaml"
   echo "$TD" > "$S/train_dir"; echo "$OUT/train_streamed.log" > "$S/train_log"
   export HSX_DATA_DIR=$S/hsx HSX_DATABASE_URL=sqlite:///$S/hsx/hsx.sqlite3 HSX_REDIS_URL=redis://127.0.0.1:$P_REDIS/0
   export HSX_QUEUE_NAME=hsx-streamed HSX_DATASET_ROOTS=$S HSX_API_URL=http://127.0.0.1:$P_API
