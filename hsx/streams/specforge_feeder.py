@@ -12,9 +12,9 @@ exactly as a slow hsx consumer does.
 
 A failed or cancelled job becomes the channel's ``.failed`` sentinel (the trainer raises); a succeeded
 one, once every shard is fed, ``.closed`` (the trainer ends when drained). Given the trainer's YAML, the
-feeder writes the schedule ``specforge train`` waits for (:mod:`hsx.streams.specforge_schedule`). A restarted feeder
-continues the same channel: refs already appended are not appended again, and the old hsx consumer's
-leases are handed back first so its shards come back at once.
+feeder writes the schedule ``specforge train`` waits for (:mod:`hsx.streams.specforge_schedule`). A
+restarted feeder continues the same channel: refs already appended are not appended again, and the old
+hsx consumer's leases are handed back first so its shards come back at once.
 """
 
 from __future__ import annotations
