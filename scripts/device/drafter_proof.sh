@@ -97,7 +97,8 @@ PY
     PYTHONPATH="/tmp/mooncake/site:$PYTHONPATH" LD_LIBRARY_PATH="/tmp/mooncake/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
       W=$W MODEL=$MODEL TRAIN_JSONL=$W/train.jsonl VOCAB_MAPPING=$W/feat/hsx/vocab_mapping/vocab_mapping.pt \
       ENGINE_URL=http://127.0.0.1:30011 DRAFT_CONFIG=$D/draft.json EPOCHS=$EPOCHS LR=$LR BATCH=$BATCH MAXLEN=$MAXLEN \
-      SEED=42 CAP_FRACTION=${CAP_FRACTION:-0.1} OUT=$W/out PORT_BASE=29700 bash "$streamed" start >> "$W/out/streamed.log" 2>&1
+      SEED=42 CAP_FRACTION=${CAP_FRACTION:-0.1} OUT=$W/out PORT_BASE=29700 LOADER_WORKERS=4 \
+      SPECFORGE="env FAST=1 python3 $D/train_entry.py" bash "$streamed" start >> "$W/out/streamed.log" 2>&1
     say "streamed row started (exit $?): $(tail -1 "$W/out/streamed.log")"
   else
     say "streamed row: not run (no streamed.sh, or Mooncake not installed by call 4)"

@@ -8,8 +8,6 @@
 #   bash scripts/device/drafter/streamed.sh status   # one JSON line
 #   bash scripts/device/drafter/streamed.sh stop     # stops everything start started, by pid
 #   bash scripts/device/drafter/streamed.sh config   # only writes the trainer's YAML ($W/streamed/run.yaml)
-#   bash scripts/device/drafter/streamed.sh install  # Mooncake from .device/mooncake (fetch_mooncake.sh),
-#                                                    # into $HSX_SITE (/tmp/hsx-site) and /tmp/hsx-lib
 #
 # Inputs (environment): W (work dir), MODEL (target model dir), TRAIN_JSONL ({"id", "messages"} lines),
 # VOCAB_MAPPING (the hsx export's vocab_mapping.pt), ENGINE_URL (a running hsx engine), DRAFT_CONFIG,
@@ -17,7 +15,8 @@
 # PORT_BASE (six ports from it: Redis, API, Mooncake rpc, metadata, metrics, trainer). Optional: PY
 # (python3), SPECFORGE (the trainer's command, default "$PY -m specforge.cli"), SHARD (samples per
 # shard, 32), WINDOW (the feeder's refs in flight, 64), CONCURRENCY (the worker's requests, 32),
-# LOG_INTERVAL (the trainer's, 20 as in train_one). The engine must serve the target in bfloat16: SpecForge
+# LOG_INTERVAL (the trainer's, 20 as in train_one), LOADER_WORKERS (the trainer's dataloader_num_workers,
+# 0; the drafter proof passes its offline rows' 4). The engine must serve the target in bfloat16: SpecForge
 # 0.2.0's online consumer hands the states unconverted to its bfloat16 target head and draft (the feeder
 # refuses another dtype).
 #
@@ -37,27 +36,8 @@ export PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_
 # This script owns its processes' stream settings: none may come from the caller's environment (SpecForge's
 # launcher lets MOONCAKE_* and some DISAGG_* in the environment win over the YAML).
 for v in $(env | grep -oE '^(DISAGG|MOONCAKE)_[A-Z_]+'); do unset "$v"; done
-# Mooncake loads libibverbs and libnl even over TCP; `install` leaves Debian's copies here for an image
-# without them (the image's own, when it has them, are used).
-if [ -d /tmp/hsx-lib ] && ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
-  export LD_LIBRARY_PATH="/tmp/hsx-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
-
-need() {
-  local missing=()
-  for v in "$@"; do [ -n "${!v:-}" ] || missing+=("$v"); done
-  [ ${#missing[@]} -eq 0 ] || { echo "streamed.sh: set ${missing[*]}" >&2; exit 2; }
-}
-install() {
-  local site=${HSX_SITE:-/tmp/hsx-site} src=$R/.device/mooncake
-  ls "$src"/*.whl > /dev/null 2>&1 || { echo "streamed.sh: no $src (scripts/device/drafter/fetch_mooncake.sh)" >&2; exit 2; }
-  $PY -m pip install -q --no-index --no-deps --no-compile --target "$site" "$src"/*.whl || exit 1
-  rm -rf /tmp/hsx-debs; mkdir -p /tmp/hsx-lib
-  for deb in "$src"/*.deb; do dpkg-deb -x "$deb" /tmp/hsx-debs || exit 1; done
-  find /tmp/hsx-debs -name 'lib*.so*' \( -type f -o -type l \) -exec cp -a {} /tmp/hsx-lib/ \;
-  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" $PY -c "import mooncake.store; print('mooncake ok')"
-}
-[ "${1:-}" = install ] && { install; exit $?; }
+# Mooncake (mooncake.store and mooncake_master) comes from the caller's PYTHONPATH and LD_LIBRARY_PATH: the
+# drafter proof carries the parts of its wheel these load, with the libraries they link (fetch_inputs.sh).
 
 need W
 S=$W/streamed; TD=$W/train/streamed
@@ -89,7 +69,7 @@ data:
   max_length: $MAXLEN
   chat_template: llama3
   cache_dir: $TD/cache
-  dataloader_num_workers: 0
+  dataloader_num_workers: ${LOADER_WORKERS:-0}
 training:
   strategy: eagle3
   role: consumer
@@ -220,5 +200,5 @@ case "${1:-}" in
   status) $PY "$D/streamed.py" status "$S" ;;
   stop) stop ;;
   config) write_config; echo "$S/run.yaml" ;;
-  *) echo "usage: streamed.sh start|status|stop|config|install (see its header)" >&2; exit 2 ;;
+  *) echo "usage: streamed.sh start|status|stop|config (see its header)" >&2; exit 2 ;;
 esac
