@@ -40,9 +40,10 @@ c1() {  # SGLang 0.5.17, the wheels, the prompts; the training probe starts in t
   python3 "$D/make_prompts.py" "$W/prompts" >> "$W/out/install.log" 2>&1
   mkdir -p "$W/bin" "$W/wheels" && cp -r "$D" "$SELF" "$W/bin/" && cp .whl/specforge-*.whl "$W/wheels/"
   say "installed: $(tail -2 "$W/out/install.log" | tr '\n' ' '); $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)"
-  setsid python3 "$D/probe.py" "$W" "$W/out" "$D/draft.json" "$D/train_entry.py" > "$W/out/probe.log" 2>&1 &
+  local b=$W/bin/drafter
+  setsid python3 "$b/probe.py" "$W" "$W/out" "$b/draft.json" "$b/train_entry.py" > "$W/out/probe.log" 2>&1 &
   echo $! > "$W/probe.pid"
-  say "probe started"
+  say "probe started; MPS control: $(command -v nvidia-cuda-mps-control || echo none); $(python3 --version)"
 }
 
 c2() {  # the GGUF's first part and redis-server
@@ -175,7 +176,9 @@ c5() {  # the drafts: wait, export, serve all at once, tau, table
   fi
   for p in "$W"/engine_*.pid; do stop_pidfile "$p"; done
   local exported=""
-  for n in $trained; do export_draft "$n" & done; wait
+  local pids=()  # explicit pids: a bare wait would also wait for the watchdog
+  for n in $trained; do export_draft "$n" & pids+=($!); done
+  [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
   for n in $trained; do [ -f "$W/draft/$n/config.json" ] && exported="$exported $n"; done
   for chain in "3 1 4" "5 1 6"; do
     set -- $chain
@@ -184,7 +187,9 @@ c5() {  # the drafts: wait, export, serve all at once, tau, table
     fi
     local port=30100
     for n in $exported; do port=$((port + 1)); serve_start "$n" "$port" "$1" "$2" "$3"; done
-    for n in $exported; do tau_one "$n" "$1" "$2" "$3" & done; wait
+    pids=()
+    for n in $exported; do tau_one "$n" "$1" "$2" "$3" & pids+=($!); done
+    [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
   done
   cp "$W"/train/*/run.yaml "$W/out/" 2>/dev/null
   for n in $ROWS; do cp "$W/train/$n/run.yaml" "$W/out/run_$n.yaml" 2>/dev/null; done
