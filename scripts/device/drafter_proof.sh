@@ -122,7 +122,7 @@ c4() {  # SGLang 0.5.14 for SpecForge's own capture, which runs in the backgroun
   say "Mooncake: ${missing:+missing }${missing:-every library found}"
   setsid bash "$W/bin/drafter_proof.sh" bg_specforge > "$W/out/bg_specforge.log" 2>&1 &
   say "SpecForge pipeline started"
-  local until=$(( $(date +%s) + ${C4_WAIT:-550} ))
+  local until=$(( $(date +%s) + ${C4_WAIT:-480} ))
   while [ "$(date +%s)" -lt "$until" ]; do
     sleep 30
     say "progress: $(train_progress $ROWS) gpu $(gpu_mem)"
@@ -165,7 +165,7 @@ c5() {  # the drafts: wait, export, serve all at once, tau, table
   ( sleep 565; say "c5 watchdog: packing what exists"; pack c5_partial ) &
   local watchdog=$!
   local trained=""
-  train_wait "${TRAIN_WAIT:-420}" $ROWS || say "not every run finished: $(train_progress $ROWS)"
+  train_wait "${TRAIN_WAIT:-400}" $ROWS || say "not every run finished: $(train_progress $ROWS)"
   for n in $ROWS; do [ "$(cat "$W/train/$n/exit" 2>/dev/null)" = 0 ] && trained="$trained $n"; done
   say "trained:$trained ($(train_progress $ROWS))"
   local streamed=$R/scripts/device/drafter/streamed.sh
@@ -182,7 +182,7 @@ c5() {  # the drafts: wait, export, serve all at once, tau, table
   for n in $trained; do [ -f "$W/draft/$n/config.json" ] && exported="$exported $n"; done
   for chain in "3 1 4" "5 1 6"; do
     set -- $chain
-    if [ "$1" = 5 ] && [ $(( $(date +%s) - start )) -gt "${SECOND_CHAIN_BY:-430}" ]; then
+    if [ "$1" = 5 ] && [ $(( $(date +%s) - start )) -gt "${SECOND_CHAIN_BY:-380}" ]; then
       say "chain 5/1/6: not run (no time left in the call)"; break
     fi
     local port=30100
