@@ -48,7 +48,15 @@ if [ ! -s .device/dp4/mooncake.tar.xz ]; then
   cp "$mc/$libs"/* "$pkg/site/$libs/"
   # store.so asks for libetcd_wrapper.so, the master for the wheel's renamed copy of the same library (22 MB).
   ln -s "../$libs/$(cd "$mc/$libs" && ls libetcd_wrapper-*.so)" "$pkg/site/mooncake/libetcd_wrapper.so"
-  cp -L /usr/lib/x86_64-linux-gnu/{libibverbs.so.1,libnl-3.so.200,libnl-route-3.so.200,libnuma.so.1} "$pkg/lib/"
+  # Debian bookworm's copies (the device image is glibc 2.35+); from this machine, or its package archive.
+  sys=/usr/lib/x86_64-linux-gnu
+  if ! ls $sys/{libibverbs.so.1,libnl-3.so.200,libnl-route-3.so.200,libnuma.so.1} > /dev/null 2>&1; then
+    (cd "$mc" && apt-get download -q libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 > /dev/null 2>&1) || true
+    for d in "$mc"/*.deb; do dpkg-deb -x "$d" "$mc/debs"; done
+    mkdir -p "$mc/debs/libs" && cp -a "$mc"/debs/{usr/,}lib/x86_64-linux-gnu/*.so.* "$mc/debs/libs/"
+    sys=$mc/debs/libs
+  fi
+  cp -L $sys/{libibverbs.so.1,libnl-3.so.200,libnl-route-3.so.200,libnuma.so.1} "$pkg/lib/"
   tar -C "$pkg" -cf - . | xz -9e -T2 > .device/dp4/mooncake.tar.xz
   rm -rf "$mc"
 fi
