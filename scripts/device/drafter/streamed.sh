@@ -39,6 +39,10 @@ for v in $(env | grep -oE '^(DISAGG|MOONCAKE)_[A-Z_]+'); do unset "$v"; done
 # Mooncake (mooncake.store and mooncake_master) comes from the caller's PYTHONPATH and LD_LIBRARY_PATH: the
 # drafter proof carries the parts of its wheel these load, with the libraries they link (fetch_inputs.sh).
 
+need() {  # need VAR...: each named variable is set, or the script stops saying which is not
+  local v
+  for v in "$@"; do [ -n "${!v:-}" ] || { echo "streamed.sh: $v is not set" >&2; exit 2; }; done
+}
 need W
 S=$W/streamed; TD=$W/train/streamed
 
