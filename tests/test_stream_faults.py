@@ -28,7 +28,9 @@ from typing import Any
 import pytest
 
 from hsx.local_stack import LocalStack, local_stack
+from tests.fixtures.kills import end_lease, end_unit_lease, freeze_holding_a_lease, units
 from tests.fixtures.live_server import serve_in_thread
+from tests.fixtures.processes import kill_session, signal_pids, wait_gone
 from tests.fixtures.sample_records import read_records, record_of_sample
 from tests.fixtures.stack import REPO, TEST_TOKEN, Stack, make_stack
 from tests.fixtures.synthetic import Engines, Synthetic, write_pretokenized
@@ -114,9 +116,8 @@ def trainers(
         yield procs
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            kill_session(proc.pid)  # with any loader process it started, gone by pid
+            proc.wait()
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str, stack: Stack) -> None:
@@ -176,20 +177,6 @@ def assert_samples_as_written(stack: Stack, *records: Path) -> None:
         assert record == reference[index], f"sample {index} differs from the uninterrupted run's"
 
 
-def end_lease(db_url: str, table: Any, row_id: int, **match: Any) -> None:
-    """The lease on a row (a work unit or a stream item) runs out now: the test decides when, instead of
-    waiting for a time it guesses."""
-    from sqlalchemy import update
-
-    from hsx.db.session import session_scope
-
-    condition = [table.id == row_id, table.lease_expires.is_not(None)]
-    condition += [getattr(table, name) == value for name, value in match.items()]
-    with session_scope(db_url) as session:
-        ended = session.execute(update(table).where(*condition).values(lease_expires=time.time() - 1))
-        assert ended.rowcount == 1, (table, row_id, match)  # type: ignore[attr-defined]
-
-
 def test_a_consumer_killed_holding_a_lease_loses_nothing_and_repeats_nothing(
     synth: tuple[Stack, Synthetic],
 ) -> None:
@@ -232,43 +219,21 @@ def shards_on_disk(doc: dict[str, Any]) -> list[Path]:
 
 
 def kill_a_worker_whose_horse_holds_a_lease(stack: Stack, job_id: str, worker: Any) -> dict[str, Any]:
-    """SIGKILL a worker and its work horse (a process group of its own, which RQ gives it) at a moment the
-    horse holds a unit's lease: both are stopped first, and killed only if the unit is still leased to that
-    attempt and no transaction is open (else the horse was committing, and they go on). Returns the unit as
-    it was leased."""
-    from tests.test_faults import (
-        _pause,
-        all_gone,
-        busy_connections,
-        live_lease,
-        owner_pid,
-        signal_groups,
-        units,
-    )
-    from tests.test_faults import wait_until as wait_for
+    """SIGKILL a worker and its work horse at a moment the horse holds a unit's lease: the worker's session
+    (the horse is in it) is stopped, its database sessions settle (a COMMIT in flight lands), and only then
+    is the unit read; if it is still that attempt's lease they are killed, else they go on and another
+    moment is picked (tests/fixtures/kills.py). Returns the unit as it was leased at the kill."""
+    from tests.test_faults import whole_worker
 
     db_url = stack.env["HSX_DATABASE_URL"]
-    for _ in range(100):
-        held = wait_for(lambda: live_lease(db_url, job_id), 60, "a unit leased", stack)
-        groups = {owner_pid(held["owner"]), worker.pid}
-        signal_groups(groups, signal.SIGSTOP)
-        now = units(db_url, job_id)[held["index"]]
-        # A COMMIT the horse sent just before it stopped can still land after the read above (the database
-        # had not run it yet): kill only once no transaction is open, as tests/test_faults.py does.
-        idle = any(busy_connections(db_url) == 0 or _pause(0.05) for _ in range(20))
-        same = (now["state"], now["attempt"], now["owner"]) == ("leased", held["attempt"], held["owner"])
-        if same and idle:
-            signal_groups(groups, signal.SIGKILL)
-            wait_until(functools.partial(all_gone, groups), 30, "the killed worker and horse to go", stack)
-            return held
-        signal_groups(groups, signal.SIGCONT)
-    raise AssertionError(f"never caught a horse holding a lease\n{stack.logs()}")
+    held, frozen = freeze_holding_a_lease(db_url, job_id, whole_worker(worker), 60, describe=stack.logs)
+    signal_pids(frozen, signal.SIGKILL)
+    wait_gone(frozen)
+    return held
 
 
 def test_a_worker_killed_while_its_horse_holds_a_lease_loses_nothing(synth: tuple[Stack, Synthetic]) -> None:
     from app.main import create_app
-    from hsx.db.models import WorkUnit
-    from tests.test_faults import units
 
     stack, engine = synth
     db_url = stack.env["HSX_DATABASE_URL"]
@@ -287,7 +252,7 @@ def test_a_worker_killed_while_its_horse_holds_a_lease_loses_nothing(synth: tupl
         worker.wait(30)
         dead = units(db_url, job_id)[held["index"]]
         assert (dead["state"], dead["attempt"]) == ("leased", held["attempt"]), dead  # nobody committed it
-        end_lease(db_url, WorkUnit, held["id"], attempt=held["attempt"])
+        end_unit_lease(db_url, held)
         engine.resume()
         stack.start_worker()
         assert reader.wait(180) == 0, stack.logs()
