@@ -282,11 +282,12 @@ def test_a_consumer_that_never_returns_holds_the_job_and_nothing_unacknowledged_
         waiting = functools.partial(waiting_with_nothing_in_flight, stack, job_id)
         wait_until(waiting, 60, "the job to wait on its consumer", stack)
         # The worker gave the job up (its wait for room on Redis is over): it is idle, runs no work horse,
-        # and no wake-up is queued. A reconciler pass wakes nothing either: the cap is full.
-        wait_until(lambda: worker_idle(stack), 60, "the worker to give the job up", stack)
+        # and no wake-up is queued (an acknowledgement's wake-up, taken after the horse gave up, makes one
+        # more horse that gives up too). A reconciler pass wakes nothing either: the cap is full.
+        wait_until(lambda: worker_quiet(stack), 60, "the worker to give the job up", stack)
         doc = stack.job(job_id)
         assert reconcile_once(stack.settings)["woken"] == 0
-        assert queued_wakeups(stack.settings, job_id) == 0 and worker_idle(stack), stack.logs()
+        assert queued_wakeups(stack.settings, job_id) == 0 and worker_quiet(stack), stack.logs()
         later = stack.job(job_id)
         os.killpg(hung.pid, signal.SIGKILL)
         hung.wait()
@@ -306,14 +307,22 @@ def waiting_with_nothing_in_flight(stack: Stack, job_id: str) -> bool:
     return bool(stream["waiting_on_consumers"] and stream["in_flight_bytes"] == 0)
 
 
-def worker_idle(stack: Stack) -> bool:
-    """The stack's one worker is idle by RQ's registry and no job of its queue has started (no horse)."""
+def worker_quiet(stack: Stack) -> bool:
+    """No wake-up anywhere on its way (queued, taken by a worker, or run by a horse) and the stack's one
+    worker idle by RQ's registry. Read in the order a wake-up moves (the queue, RQ's intermediate queue
+    between the worker's pop and its start, the started registry), so one in flight is seen wherever it
+    is."""
     from rq.registry import StartedJobRegistry
 
     from hsx.jobs.queue import idle_workers, queue_for
 
     queue = queue_for(stack.settings)
-    return idle_workers(stack.settings) == 1 and StartedJobRegistry(queue=queue).count == 0
+    return (
+        not queue.get_job_ids()
+        and not queue.intermediate_queue.get_job_ids()
+        and StartedJobRegistry(queue=queue).count == 0
+        and idle_workers(stack.settings) == 1
+    )
 
 
 def assert_streamed_exactly_once(stack: Stack, job_id: str, cap: int, peak: int, *records: Path) -> None:
