@@ -28,9 +28,8 @@ from safetensors.torch import load_file
 
 from hsx.export import ExportError, ExportOptions, export_output
 from hsx.loader import TorchSample, iter_samples
-from hsx.local_stack import free_port
 from tests.conftest import REDIS_URL
-from tests.fixtures.engine import _stop, _wait_healthy
+from tests.fixtures.engine import _stop, _wait_healthy, engine_url
 from tests.fixtures.stack import REPO, make_stack
 from tests.fixtures.warm_processes import start_hsx
 
@@ -78,15 +77,15 @@ def reference_job(engine_nocache: Any, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="module")
 def synthetic_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     work = tmp_path_factory.mktemp("synthetic")
-    port = free_port()
     args = [
         "engine", "--backend", "synthetic", "--final-state", "both",
         "--hidden-size", str(SYNTHETIC_HIDDEN), "--num-layers", str(SYNTHETIC_LAYERS),
-        "--tokenizer", str(model_dir), "--port", str(port), "--dump-dir", str(work / "dumps"),
+        "--tokenizer", str(model_dir), "--port", "0", "--port-file", str(work / "port"),
+        "--dump-dir", str(work / "dumps"),
     ]  # fmt: skip
     process = start_hsx(args, dict(os.environ), work / "engine.log")
-    url = f"http://127.0.0.1:{port}"
     try:
+        url = engine_url(process, work / "port", work / "engine.log")
         _wait_healthy(process, url, work / "engine.log")
         yield url
     finally:

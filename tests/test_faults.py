@@ -30,6 +30,7 @@ import pytest
 from tests.conftest import REDIS_URL
 from tests.fixtures.jobs import running_job
 from tests.fixtures.kills import end_unit_lease, freeze_holding_a_lease, live_lease, owner_pid, units
+from tests.fixtures.ports import reserved_port
 from tests.fixtures.processes import children, gone, signal_pids, wait_gone
 from tests.fixtures.stack import REPO, Stack, make_stack
 
@@ -337,7 +338,12 @@ def test_frozen_worker_cannot_commit_after_its_lease_is_taken(fast: Stack, basel
 
 @postgres_only
 def test_redis_wiped_mid_job_loses_nothing(
-    db_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, baseline: Output
+    db_url: str,
+    engine_nocache: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    baseline: Output,
+    kept_port: int,
 ) -> None:
     from hsx.local_stack import LocalStack, redis_reachable, redis_server_binary
 
@@ -345,7 +351,8 @@ def test_redis_wiped_mid_job_loses_nothing(
         pytest.skip("no redis-server binary to run a private Redis")
     private = LocalStack(tmp_path / "redis")
     try:
-        url = private.start_redis()  # never the shared server: this one is killed
+        # Never the shared server: this one is killed, and started again on its port (kept for it).
+        url = private.start_redis(kept_port)
         port = url.rsplit(":", 1)[1].split("/")[0]
         with running(fast_stack(db_url, url, engine_nocache, tmp_path, monkeypatch)) as s:
             s.start_worker()
@@ -387,14 +394,18 @@ def test_redis_wiped_mid_job_loses_nothing(
 
 @contextlib.contextmanager
 def private_postgres() -> Iterator[tuple[str, dict[str, str]]]:
-    """A PostgreSQL of this test's own (the embedded one of scripts/embedded_services.py, on a free port),
-    so that restarting it cuts no other test's connections when the tests run in parallel."""
-    from hsx.local_stack import free_port
+    """A PostgreSQL of this test's own (the embedded one of scripts/embedded_services.py, on a port kept
+    for it: it comes back on that port after its restart), so that restarting it cuts no other test's
+    connections when the tests run in parallel."""
+    with reserved_port() as port:
+        yield from _private_postgres(port)
 
+
+def _private_postgres(port: int) -> Iterator[tuple[str, dict[str, str]]]:
     # Not under pytest's tmp_path: as root PostgreSQL runs as nobody, who must reach the folder.
     folder = Path(tempfile.mkdtemp(prefix="hsx-pg-restart-"))
     folder.chmod(0o755)
-    admin = f"postgresql://postgres@127.0.0.1:{free_port()}/test"
+    admin = f"postgresql://postgres@127.0.0.1:{port}/test"
     env = {**os.environ, "HSX_SERVICES_DIR": str(folder), "HSX_TEST_PG_ADMIN_URL": admin}
     env["HSX_TEST_REDIS_URL"] = REDIS_URL
     script = [sys.executable, str(REPO / "scripts" / "embedded_services.py")]

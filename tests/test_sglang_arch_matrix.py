@@ -167,33 +167,34 @@ def test_the_matrix_runs_end_to_end_with_the_reference_engine_in_place_of_sglang
     import subprocess
     import time
 
-    from hsx.local_stack import free_port
+    from tests.fixtures.ports import reserved_port
 
     out = tmp_path / "out"
     out.mkdir()
     script = Path(arch_matrix.__file__)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--out",
-            str(out),
-            "--deadline",
-            str(time.time() + 240),
-            "--archs",
-            "llama",
-            "--work",
-            str(tmp_path / "work"),
-            "--dump-root",
-            str(tmp_path / "dumps"),
-            "--base-port",
-            str(free_port()),
-            "--dry-run-cpu",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    with reserved_port() as port:  # one architecture: its server serves on the base port itself
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                "--out",
+                str(out),
+                "--deadline",
+                str(time.time() + 240),
+                "--archs",
+                "llama",
+                "--work",
+                str(tmp_path / "work"),
+                "--dump-root",
+                str(tmp_path / "dumps"),
+                "--base-port",
+                str(port),
+                "--dry-run-cpu",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=280,
+        )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads((out / "matrix.json").read_text())["llama"]
     assert res["status"] == "done", res

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tests.fixtures.live_server import serve_in_thread
+from tests.fixtures.ports import reserved_port
 from tests.fixtures.stack import REPO, TEST_TOKEN, Stack
 from tests.fixtures.synthetic import write_pretokenized
 
@@ -165,13 +166,16 @@ def records(path: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def mooncake_master(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """A real mooncake_master on loopback ports, its HTTP metadata server inside (no etcd)."""
+    """A real mooncake_master on loopback ports kept for it (it cannot bind port 0 and say which it got),
+    its HTTP metadata server inside (no etcd)."""
+    with reserved_port() as rpc, reserved_port() as http, reserved_port() as metrics:
+        yield from _mooncake_master(tmp_path, rpc, http, metrics)
+
+
+def _mooncake_master(tmp_path: Path, rpc: int, http: int, metrics: int) -> Iterator[dict[str, Any]]:
     import mooncake
 
-    from hsx.local_stack import free_port
-
     binary = Path(mooncake.__file__).parent / "mooncake_master"
-    rpc, http, metrics = free_port(), free_port(), free_port()
     with open(tmp_path / "mooncake-master.log", "wb") as log:
         proc = subprocess.Popen(
             [

@@ -341,16 +341,16 @@ def assert_streamed_exactly_once(stack: Stack, job_id: str, cap: int, peak: int,
 
 
 def test_the_api_killed_and_restarted_while_trainers_stream_loses_nothing_and_repeats_nothing(
-    synth: tuple[Stack, Synthetic],
+    synth: tuple[Stack, Synthetic], kept_port: int
 ) -> None:
-    from hsx.local_stack import free_port, hsx_command, wait_http
+    from hsx.local_stack import hsx_command, wait_http
 
     stack, _engine = synth
     job_id, cap = consume_job(stack)
     watch = BufferWatch(stack.env["HSX_DATABASE_URL"], job_id)
     watch.start()
     stack.start_worker()
-    port = free_port()
+    port = kept_port  # the API comes back on it: nobody else may take it meanwhile
     api = f"http://127.0.0.1:{port}"
     records = [stack.tmp / f"trainer-{n}.jsonl" for n in range(2)]
     with local_stack(stack.tmp / "api-logs") as procs:
@@ -382,13 +382,14 @@ def test_the_api_killed_and_restarted_while_trainers_stream_loses_nothing_and_re
 
 @pytest.fixture
 def private_redis(
-    db_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    db_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept_port: int
 ) -> Iterator[tuple[Stack, LocalStack, str]]:
-    """A stack on a Redis of this test's own (never the shared one: this one is killed)."""
+    """A stack on a Redis of this test's own (never the shared one: this one is killed, and started again
+    on its port, kept for it meanwhile)."""
     from hsx.settings import get_settings
 
     with local_stack(tmp_path / "redis") as private:
-        url = private.start_redis()
+        url = private.start_redis(kept_port)
         stack = make_stack(
             db_url, url, engines.start().url, tmp_path, monkeypatch, stream_room_wait_seconds="2"
         )
