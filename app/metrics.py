@@ -41,7 +41,8 @@ from app.jobs.schemas import ErrorOut
 from hsx import telemetry
 from hsx.db.models import Job
 from hsx.jobs import queries
-from hsx.jobs.queue import queue_for, redis_connection
+from hsx.jobs.queue import queue_for
+from hsx.redis_clients import redis_connection
 from hsx.regenerate import repository as regen_repo
 from hsx.settings import Settings
 

@@ -16,7 +16,7 @@ from hsx import engine_fitness
 from hsx.contract import EngineInfo
 from hsx.engine_client import EngineClient, EngineError, EngineUnfit
 from hsx.jobs import queries
-from hsx.jobs.queue import redis_connection
+from hsx.redis_clients import redis_connection
 from hsx.settings import Settings
 
 health_router = APIRouter(tags=["health"])

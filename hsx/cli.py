@@ -184,8 +184,11 @@ def cmd_watch(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from hsx import cli_progress as ui
 
+    api = _api(args.api_url)
+    # One look, whose exit code says whether the job is over: the job table's answer, not a poll's kept one.
+    api.headers["Cache-Control"] = "no-cache"
     try:
-        doc = _api(args.api_url).call("GET", f"/jobs/{args.job_id}")
+        doc = api.call("GET", f"/jobs/{args.job_id}")
     except ui.ApiError as exc:
         return ui.print_error(exc, args.json)
     _show_job(doc, args.json)

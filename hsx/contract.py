@@ -41,6 +41,8 @@ INFO_PATH = "/hsx/info"
 # The pre-norm final state (hsx.layout.PRE_NORM_TENSOR) is captured on request (``--final-state pre|both``).
 # The key of EngineInfo.extra that names the model's weights and config (hsx.model_identity).
 MODEL_FINGERPRINT = "model_fingerprint"
+# The key of EngineInfo.extra (and so of a manifest's ``engine``) that holds ParallelLayout.to_dict().
+PARALLEL_LAYOUT = "parallel_layout"
 LAYER_CONVENTION = (
     "eagle3: aux id L = output of decoder layer L = HF hidden_states[L+1]; "
     "final = post-norm output = HF hidden_states[N]"
@@ -125,6 +127,38 @@ class DumpMeta:
         return cls(**{k: v for k, v in raw.items() if k in known})
 
 
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the engine's model was spread over GPUs when it made the states, so a dataset says how it was
+    made. SGLang's names: tensor-parallel size, data-parallel size (replicas, or DP-attention groups when
+    ``dp_attention``), expert-parallel size, the MoE all-to-all backend ("none": experts reduced by an
+    all-reduce), pipeline stages, nodes. An engine on one device reports the defaults."""
+
+    tp: int = 1
+    dp: int = 1
+    dp_attention: bool = False
+    ep: int = 1
+    moe_a2a_backend: str = "none"
+    pp: int = 1
+    nnodes: int = 1
+
+    @property
+    def attention_tp(self) -> int:
+        """The ranks that share one request's attention (and hold the same residual rows)."""
+        return max(1, self.tp // self.dp) if self.dp_attention else self.tp
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> ParallelLayout | None:
+        """None when the engine (or an older manifest) did not say; fields it did not know take defaults."""
+        if not isinstance(raw, Mapping):
+            return None
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
 @dataclass
 class EngineInfo:
     """What ``GET /hsx/info`` returns: enough for a worker to check a job against the engine."""
@@ -164,6 +198,10 @@ class EngineInfo:
     def model_fingerprint(self) -> str | None:
         value = self.extra.get(MODEL_FINGERPRINT)
         return value if isinstance(value, str) and value else None
+
+    @property
+    def parallel_layout(self) -> ParallelLayout | None:
+        return ParallelLayout.from_dict(self.extra.get(PARALLEL_LAYOUT))
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> EngineInfo:

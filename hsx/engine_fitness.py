@@ -12,7 +12,8 @@ states that cannot be trusted:
   depends on the engine honouring the key, which a stock engine, another version or a proxy in between may
   not, and the preflight, which sends none, could not prove the engine then. So the rule is the safe one,
   the same here, in the preflight (``hsx verify``) and in the README;
-* aux layers other than the job asks for, or a context shorter than the job's ``max_length``;
+* aux layers other than the job asks for, or a context shorter than the job's ``max_length``, or one that
+  cannot hold a regenerate job's ``max_new_tokens`` beside a prompt;
 * an engine that does not speak this protocol version.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from hsx import contract
@@ -47,25 +49,46 @@ def as_options(options: JobOptions | Mapping[str, Any]) -> JobOptions:
     return options if isinstance(options, JobOptions) else JobOptions.from_stored(options)
 
 
-def option_problems(
+@dataclass(frozen=True)
+class OptionProblem:
+    code: str  # the error POST /jobs refuses the options with (a 422)
+    detail: str
+
+
+def option_checks(
     info: contract.EngineInfo, options: JobOptions | Mapping[str, Any], check_cache: bool = True
-) -> list[str]:
+) -> list[OptionProblem]:
     """What makes the engine unfit for a job's options, whatever engine the job started with.
     (``check_cache=False``: where the preflight decides on the cache, and where a test shows the
     per-sample checks behind the cache rule.)"""
     typed = as_options(options)
-    problems: list[str] = []
+    problems: list[OptionProblem] = []
     if check_cache and info.prefix_cache:
-        problems.append(PREFIX_CACHE_PROBLEM)
+        problems.append(OptionProblem("engine_unfit", PREFIX_CACHE_PROBLEM))
     if typed.aux_layers is not None and typed.aux_layers != list(info.aux_layer_ids):
-        problems.append(
-            f"the job asks for aux layers {typed.aux_layers}, the engine captures {info.aux_layer_ids}"
+        detail = f"the job asks for aux layers {typed.aux_layers}, the engine captures {info.aux_layer_ids}"
+        problems.append(OptionProblem("aux_layers_mismatch", detail))
+    context = info.context_length
+    if context and typed.max_length > context:
+        detail = f"max_length {typed.max_length} exceeds the engine's context length {context}"
+        problems.append(OptionProblem("max_length_exceeds_context", detail))
+    # A generation's prompt and its new tokens must fit in the context together (the engine refuses the
+    # request otherwise, hsx.regenerate.engine_contract), and a prompt has a token at least: past this,
+    # every sample would be rejected as generation_rejected.
+    if context and typed.regenerate is not None and typed.regenerate.max_new_tokens >= context:
+        detail = (
+            f"regenerate.max_new_tokens {typed.regenerate.max_new_tokens} leaves no room for a prompt in "
+            f"the engine's context length {context} (a prompt and its new tokens must fit in it together)"
         )
-    if info.context_length and typed.max_length > info.context_length:
-        problems.append(
-            f"max_length {typed.max_length} exceeds the engine's context length {info.context_length}"
-        )
+        problems.append(OptionProblem("max_new_tokens_exceeds_context", detail))
     return problems
+
+
+def option_problems(
+    info: contract.EngineInfo, options: JobOptions | Mapping[str, Any], check_cache: bool = True
+) -> list[str]:
+    """:func:`option_checks`, as sentences."""
+    return [problem.detail for problem in option_checks(info, options, check_cache)]
 
 
 def identity_problems(

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from hsx.contract import LAYER_CONVENTION
+from hsx.contract import LAYER_CONVENTION, PARALLEL_LAYOUT, ParallelLayout
 from hsx.layout import FINAL_STATES as FINAL_STATES  # the schema's names live in hsx.layout
 from hsx.layout import FP8_SCHEMA_VERSION as FP8_SCHEMA_VERSION
 from hsx.layout import MANIFEST_FILE as MANIFEST_FILE
@@ -148,6 +148,12 @@ class Manifest:
         except (KeyError, TypeError) as exc:
             raise ManifestError(f"manifest is missing or has a malformed field: {exc}") from exc
         return manifest
+
+    @property
+    def parallel_layout(self) -> ParallelLayout | None:
+        """How the engine was laid out over GPUs (``engine["parallel_layout"]``); None in a manifest written
+        before engines said, or by an engine that does not."""
+        return ParallelLayout.from_dict(self.engine.get(PARALLEL_LAYOUT))
 
     def shard_path(self, directory: Path, entry: ShardEntry) -> Path:
         return Path(directory) / _checked_relative(entry.path)

@@ -51,6 +51,11 @@ class Settings(BaseSettings):
     database_url: str = ""  # empty: an embedded SQLite file under data_dir
     redis_url: str = "redis://127.0.0.1:6379/0"
     queue_name: str = "hsx"
+    # The most a short Redis call (a wake-up, a room token, stream news, a ping) waits to connect or for one
+    # reply; none is retried, so a Redis that hangs costs each such call this long, then its caller goes on
+    # as for any Redis error. Blocking waits get their own connections, timed out this long after their
+    # wait (hsx/redis_clients.py).
+    redis_timeout_seconds: float = Field(5.0, gt=0, le=300)
 
     api_url: str = "http://127.0.0.1:8000"
     engine_url: str = "http://127.0.0.1:30000"

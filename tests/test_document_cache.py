@@ -116,3 +116,41 @@ def test_a_rendering_older_than_a_change_is_not_kept_and_errors_reach_the_poller
         assert cache.get("b") is None
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_hsx_status_exits_with_the_state_of_a_job_that_ended_while_polls_got_the_kept_document(
+    db_url: str,
+    redis_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A job that finished seconds earlier: a poll may still get "running" from the cache, but ``hsx
+    status`` (one look, whose exit code says whether the job is over) reads the job table."""
+    import json
+
+    from hsx.cli import main
+    from hsx.cli_progress import EXIT_SUCCEEDED
+    from hsx.db.models import JobState
+    from hsx.db.session import session_scope
+    from hsx.jobs import repository as repo
+    from tests.fixtures.jobs import running_job
+    from tests.fixtures.live_server import serve_in_thread
+    from tests.fixtures.stack import make_stack
+
+    # No engine is asked anything here; the job is written straight into the table.
+    stack = make_stack(
+        db_url, redis_url, "http://127.0.0.1:9", tmp_path, monkeypatch, job_document_ttl_seconds="60"
+    )
+    job_id = running_job(db_url, tmp_path / "out", units=1)
+    assert stack.job(job_id)["state"] == "running"  # rendered, and kept for the next polls
+    with session_scope(db_url) as session:  # a worker finalizes it, behind the API's back
+        assert repo.set_job_state(session, job_id, JobState.succeeded, (JobState.running.value,))
+    assert stack.job(job_id)["state"] == "running"  # a poll may be the kept document
+    capsys.readouterr()
+    with serve_in_thread(stack.client.app) as url:
+        code = main(["status", job_id, "--api-url", url, "--json"])
+    assert json.loads(capsys.readouterr().out)["state"] == "succeeded"
+    assert code == EXIT_SUCCEEDED
+    assert stack.job(job_id)["state"] == "succeeded"  # the look's rendering is what polls get now

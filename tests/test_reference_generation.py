@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from hsx import contract
 from hsx.dumps import read_dump
 from hsx.engine_client import EngineRejected
 from hsx.regenerate import engine_contract
@@ -75,6 +76,8 @@ def test_seeded_sampling_repeats_and_another_seed_differs(
     assert first == again
     assert first.output_ids != other.output_ids
     assert engine_nocache.info.extra[engine_contract.SEEDED_SAMPLING] is True
+    # one process on one device: what the datasets it makes record as their layout
+    assert engine_nocache.info.parallel_layout == contract.ParallelLayout()
 
 
 def test_a_capture_after_generations_is_untouched(engine_nocache: RunningEngine, model_dir: Path) -> None:

@@ -146,6 +146,55 @@ def test_a_bad_regenerate_option_is_a_422_naming_the_field(
     assert refused.status_code == 409 and refused.json()["error"] == "not_regenerated", refused.text
 
 
+def test_max_new_tokens_that_leave_no_room_for_a_prompt_make_the_engine_unfit() -> None:
+    """What the issue's new user met: 32,768 new tokens against an 8,192-token context (every generation
+    refused, every sample generation_rejected). The worker's gate, hsx verify --job and POST /jobs apply
+    the same check."""
+    from hsx import engine_fitness
+    from hsx.contract import EngineInfo
+
+    info = EngineInfo("synthetic", "m", 8, 64, "bfloat16", [1, 3, 4], [2, 4, 5, 8], "/d", False)
+    info.context_length = 8192
+    checks = engine_fitness.option_checks(info, {"regenerate": {"max_new_tokens": 32768}})
+    assert [c.code for c in checks] == ["max_new_tokens_exceeds_context"]
+    assert "32768" in checks[0].detail and "8192" in checks[0].detail
+    assert engine_fitness.option_checks(info, {"regenerate": {"max_new_tokens": 8191}}) == []
+    assert engine_fitness.option_checks(info, {"max_length": 8192}) == []  # not a regenerate job
+    reason = engine_fitness.unfit_reason(info, {"regenerate": {"max_new_tokens": 8192}})
+    assert reason is not None and "regenerate.max_new_tokens 8192" in reason
+
+
+@postgres_only
+def test_a_regenerate_job_that_cannot_keep_a_sample_is_a_422_at_submit(
+    db_url: str, redis_url: str, engine_synthetic: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a max_length past the engine's context is: accepted, such a job "succeeded" with 0 samples."""
+    from tests.fixtures.synthetic import write_pretokenized
+
+    stack = make_stack(db_url, redis_url, engine_synthetic.url, tmp_path, monkeypatch)
+    context = engine_synthetic.info.context_length
+    chats = write_rows(tmp_path / "rows.jsonl", ROWS[:2])
+    too_many = stack.client.post(
+        "/jobs", json={"dataset_uri": str(chats), "options": {"regenerate": {"max_new_tokens": context}}}
+    )
+    assert too_many.status_code == 422, too_many.text
+    assert too_many.json()["error"] == "max_new_tokens_exceeds_context"
+    assert f"context length {context}" in too_many.json()["detail"]
+
+    pretokenized = write_pretokenized(tmp_path / "ids.jsonl", [20, 30])
+    no_turns = stack.client.post(
+        "/jobs", json={"dataset_uri": str(pretokenized), "options": {"regenerate": {}}}
+    )
+    assert no_turns.status_code == 422, no_turns.text
+    assert no_turns.json()["error"] == "regenerate_needs_messages"
+    assert "pre-tokenized" in no_turns.json()["detail"]
+
+    assert stack.client.get("/jobs").json()["total"] == 0
+    # The same records and options within the rules are accepted.
+    assert stack.submit(chats, regenerate={"max_new_tokens": 16})["state"] == "queued"
+    assert stack.submit(pretokenized)["state"] == "queued"
+
+
 # --- turn by turn, against the engine ----------------------------------------------------------------------
 
 

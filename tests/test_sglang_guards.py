@@ -84,7 +84,7 @@ AFFECTED = sorted(SGLANG_0517_FUSION_ARCHS)
 
 
 def sglang_0517_prepare(
-    arch: str, sm90: bool = True, enforce_works: bool = True
+    arch: str, sm90: bool = True, enforce_works: bool = True, sm100: bool = False
 ) -> Callable[[list[str]], Any]:
     """``prepare_server_args`` reduced to what decides the all-reduce fusion in sglang 0.5.17."""
 
@@ -111,10 +111,10 @@ def sglang_0517_prepare(
         if (
             view.flashinfer_allreduce_fusion_backend is None
             and arch in SGLANG_0517_FUSION_ARCHS
-            and sm90
+            and (sm90 or sm100)
             and view.tp_size > 1
             and not view.enable_dp_attention
-            and view.nnodes == 1
+            and (view.nnodes == 1 or sm100)  # on Blackwell across nodes too
             and view.moe_a2a_backend == "none"
         ):
             view.flashinfer_allreduce_fusion_backend = "auto"
@@ -135,6 +135,18 @@ def test_the_launcher_turns_the_deferred_all_reduce_off_at_tp_2(arch: str) -> No
     # ... the launcher's final server arguments have it off, and pass the guard.
     final = launcher.resolve_server_args(ns, rest, prepare=sglang_0517_prepare(arch))
     assert final.tp_size == 2 and final.flashinfer_allreduce_fusion_backend is None
+
+
+def test_the_launcher_turns_the_fusion_off_across_nodes_on_blackwell() -> None:
+    # What a plain SGLang node 1 would run with: the fusion on by itself (nnodes > 1 on SM100); every node
+    # runs the launcher (peers.py checks it), whose final arguments have it off on each node.
+    argv = ["--tp-size", "8", "--nnodes", "2", "--node-rank", "1"]
+    prepare = sglang_0517_prepare("KimiK25ForConditionalGeneration", sm90=False, sm100=True)
+    assert prepare(argv).flashinfer_allreduce_fusion_backend == "auto"
+    ns, rest = split_args(["--model-path", "/m", *argv])
+    assert launcher.resolve_server_args(ns, rest, prepare=prepare).flashinfer_allreduce_fusion_backend is None
+    hopper = sglang_0517_prepare("KimiK25ForConditionalGeneration")  # SM90: one node only
+    assert hopper(argv).flashinfer_allreduce_fusion_backend is None
 
 
 @pytest.mark.parametrize("arch", AFFECTED)
@@ -181,8 +193,9 @@ def test_the_affected_architectures_include_the_ones_hsx_serves() -> None:
         ({"flashinfer_allreduce_fusion_backend": "trtllm", "tp_size": 4}, "FlashInfer all-reduce fusion"),
         ({"enable_aiter_allreduce_fusion": True}, "aiter"),
         ({"enable_attn_tp_input_scattered": True}, "input-scattered"),
-        ({"pp_size": 2}, "pipeline"),
-        ({"enable_dp_attention": True}, "DP attention"),
+        ({"pp_size": 2}, "decoder layers live on different stages"),
+        ({"tp_size": 8, "moe_a2a_backend": "deepep"}, "attention TP 8"),
+        ({"tp_size": 8, "dp_size": 8, "enable_dp_attention": True, "nnodes": 2}, "DP attention over 2 nodes"),
         ({"attn_cp_size": 2}, "context parallelism"),
         ({"enable_prefill_context_parallel": True}, "context parallelism"),
         ({"speculative_algorithm": "EAGLE3"}, "speculative"),

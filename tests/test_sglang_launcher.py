@@ -167,6 +167,7 @@ def test_hsx_info_records_the_final_state_and_the_engine_facts(final_state: str)
         "supported_versions": SUPPORTED_RANGE,
         "version_in_range": True,
         "tp_size": 2,
+        contract.PARALLEL_LAYOUT: contract.ParallelLayout(tp=2).to_dict(),
         "chunked_prefill_size": 2048,
         "attention_backend": "triton",
         "flashinfer_allreduce_fusion_backend": None,
@@ -234,6 +235,8 @@ def test_the_plugin_config_travels_through_the_environment() -> None:
         switch_interval_ms=0,
         final_state="pre",
         allow_any_version=True,
+        shared_dump_dir=True,
+        peer_wait_seconds=12.5,
     )
     env = cfg.to_env()
     assert env[ENV_FINAL_STATE] == "pre"

@@ -132,13 +132,68 @@ def test_only_tp_rank_0_patches_sglang(fake_sglang: types.ModuleType, tmp_path: 
     assert capture.flush(30)
     meta = contract.DumpMeta.from_json((tmp_path / "dumps" / "hsx-rank0" / contract.META_FILE).read_text())
     assert meta.num_tokens == 9 and meta.extra["engine_version"] == "0.5.17" and meta.extra["tp_size"] == 2
+    assert meta.extra["parallel_layout"]["tp"] == 2 and meta.extra["dp_rank"] is None
+
+
+@pytest.mark.parametrize(
+    ("layout", "leaders"),
+    [
+        ({"tp_size": 4}, {0: None}),
+        ({"tp_size": 4, "dp_size": 4, "enable_dp_attention": True}, {0: 0, 1: 1, 2: 2, 3: 3}),
+        ({"tp_size": 4, "dp_size": 2, "enable_dp_attention": True}, {0: 0, 2: 1}),
+        (
+            {"tp_size": 4, "dp_size": 4, "enable_dp_attention": True, "moe_a2a_backend": "deepep"},
+            {0: 0, 1: 1, 2: 2, 3: 3},
+        ),
+    ],
+)
+def test_every_dp_groups_leader_captures_and_no_other_rank(
+    fake_sglang: types.ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    layout: dict[str, Any],
+    leaders: dict[int, Any],
+) -> None:
+    # Before DP attention was supported only global TP rank 0 captured: DP group 0's requests alone.
+    installed: dict[int, Any] = {}
+
+    def spy(
+        cfg: Any, server_args: Any, capture: bool = True, dp_rank: Any = None, peers: bool = False
+    ) -> None:
+        assert not peers  # one node: nothing to check between nodes
+        if capture:
+            installed[tp_rank] = dp_rank
+
+    monkeypatch.setattr(patching, "install", spy)
+    for tp_rank in range(4):
+        dp_rank = tp_rank * layout.get("dp_size", 1) // 4 if layout.get("enable_dp_attention") else None
+        args = SimpleNamespace(**layout)
+        assert patching.run_scheduler_process(args, None, 0, tp_rank, 0, 0, 0, 0, dp_rank, None) == "ran"
+    assert installed == leaders
+
+
+def test_a_multi_node_launch_checks_its_peers_on_every_rank(
+    fake_sglang: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[int, bool, bool]] = []
+
+    def spy(
+        cfg: Any, server_args: Any, capture: bool = True, dp_rank: Any = None, peers: bool = False
+    ) -> None:
+        calls.append((tp_rank, capture, peers))
+
+    monkeypatch.setattr(patching, "install", spy)
+    for tp_rank in (2, 3):  # node 1 of a TP 4 launch over two nodes: no capture here, the check all the same
+        args = SimpleNamespace(tp_size=4, nnodes=2, node_rank=1)
+        patching.run_scheduler_process(args, None, 0, tp_rank, 0, 0, 0, 0, None, None)
+    assert calls == [(2, False, True), (3, False, True)]
 
 
 @pytest.mark.parametrize(
     ("server_args", "needle"),
     [
         ({"flashinfer_allreduce_fusion_backend": "auto"}, "FlashInfer all-reduce fusion"),
-        ({"enable_dp_attention": True}, "DP attention"),
+        ({"moe_a2a_backend": "deepep"}, "attention TP 2"),
+        ({"pp_size": 2}, "different stages"),
     ],
 )
 def test_every_rank_refuses_what_the_launcher_refuses(

@@ -58,6 +58,7 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
     stats["deleted"] += delete_all_acknowledged(settings)
     with session_scope(db_url) as session:
         job_ids = queries.active_job_ids(session)
+    waking = True  # until Redis fails this pass: the table's own work goes on without it
     for job_id in job_ids:
         with session_scope(db_url) as session:
             job = repo.get_job(session, job_id)
@@ -75,8 +76,12 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
         # Work is waiting and nothing in Redis may wake a worker for it (Redis lost it, a worker died,
         # every worker was busy when the last wake-ups were taken, or workers started since): a wake-up
         # waits for every idle worker, and whoever takes one wakes the rest while units stay claimable.
-        if claimable or state == JobState.queued.value:
-            stats["woken"] += wake_idle_workers(settings, job_id, max(claimable, 1))
+        if waking and (claimable or state == JobState.queued.value):
+            try:
+                stats["woken"] += wake_idle_workers(settings, job_id, max(claimable, 1))
+            except Exception as exc:  # noqa: BLE001 - the next pass wakes them; a hung Redis costs one call
+                log.warning("reconciler: no wake-ups this pass, Redis failed: %s", exc)
+                waking = False
         stats["temp_removed"] += _remove_stale_temp(Path(output_dir), leased, now)
     stats["dumps_removed"] += _remove_stale_dumps(settings.resolved_dump_dir, now)
     return stats

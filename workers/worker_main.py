@@ -23,8 +23,9 @@ from redis.exceptions import RedisError
 from rq import Worker
 from rq.exceptions import StopRequested
 
-from hsx.jobs.queue import queue_for, redis_connection
+from hsx.jobs.queue import queue_for
 from hsx.logging_setup import configure_logging
+from hsx.redis_clients import rq_connection
 from hsx.settings import Settings, get_settings
 from workers.job_runner import lease_owner
 from workers.reconciler import FORK_LOCK, ReconcilerThread, expire_leases_of, wake_for_a_new_worker
@@ -142,8 +143,7 @@ def serve(settings: Settings, burst: bool, reconcile: bool) -> int:
         while True:
             worker: HsxWorker | None = None
             try:
-                connection = redis_connection(settings)
-                worker = HsxWorker([queue_for(settings, connection)], connection=connection)
+                worker = new_worker(settings)
                 worker.work(burst=burst, logging_level="INFO", with_scheduler=False)
             except RedisError as exc:  # registering and tearing down talk to Redis too
                 if burst:
@@ -162,6 +162,15 @@ def serve(settings: Settings, burst: bool, reconcile: bool) -> int:
     finally:
         if reconciler is not None:
             reconciler.stopped.set()
+
+
+def new_worker(settings: Settings) -> HsxWorker:
+    """An RQ worker on a connection of RQ's own (:func:`hsx.redis_clients.rq_connection`): RQ raises the
+    socket timeout of the pool it is given to its blocking pop, 415 s. Given the process's short-call pool,
+    it raised every announce, wake-up and room token of this worker and of its horses to that, a call that
+    could block for minutes on a Redis that hangs."""
+    connection = rq_connection(settings)
+    return HsxWorker([queue_for(settings, connection)], connection=connection)
 
 
 def run_worker_processes(count: int, burst: bool = False, reconcile: bool = True) -> int:

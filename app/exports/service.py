@@ -24,8 +24,9 @@ from hsx.export.status import (
     read_status,
     write_status,
 )
-from hsx.jobs.queue import EXPORT_TASK, queue_for, redis_connection
+from hsx.jobs.queue import EXPORT_TASK, queue_for
 from hsx.manifest import Manifest, ManifestError
+from hsx.redis_clients import redis_connection
 from hsx.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,11 @@ bytes the last one rendered. After that, up to ``max_stale`` seconds, a poll sti
 one rendering for that job runs in the background: a poll never waits on the job table while a job is
 watched, which is what keeps the API's tail latency low on a host whose cores the workers keep busy.
 Anything this process changes about a job (cancel, retry) drops its entry at once, and a rendering begun
-before the change is not kept. Workers' progress reaches pollers at most ``ttl`` plus one rendering late.
+before the change is not kept. Workers' progress reaches pollers at most ``ttl`` plus one rendering late,
+and up to ``max_stale`` late while a watched job's renderings are slow.
+
+A single look whose answer must be the job table's (``hsx status``, whose exit code says whether the job is
+over) asks with ``Cache-Control: no-cache`` (:func:`wants_fresh`) and gets :meth:`DocumentCache.fresh`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ from collections.abc import Callable
 from starlette.concurrency import run_in_threadpool
 
 _MAX_ENTRIES = 4096
+
+
+def wants_fresh(cache_control: str | None) -> bool:
+    """Whether a request's ``Cache-Control`` asks for the job table's answer rather than a kept one."""
+    directives = (cache_control or "").lower().split(",")
+    return any(d.strip() in ("no-cache", "no-store", "max-age=0") for d in directives)
 
 
 class DocumentCache:
@@ -72,6 +82,14 @@ class DocumentCache:
                 return entry[1]
         # shield: one poller that goes away must not cancel the rendering the others wait for.
         return await asyncio.shield(self._rendering(job_id, render))
+
+    async def fresh(self, job_id: str, render: Callable[[], bytes]) -> bytes:
+        """The job's document rendered now, whatever is kept; the polls after it get this rendering."""
+        with self._lock:
+            generation = self._generations.get(job_id, 0)
+        document = await run_in_threadpool(render)
+        self.put(job_id, document, generation)
+        return document
 
     def _rendering(self, job_id: str, render: Callable[[], bytes]) -> asyncio.Task[bytes]:
         task = self._renders.get(job_id)

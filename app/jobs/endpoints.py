@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from app.deps import SessionDep, SettingsDep
 from app.jobs import schemas
-from app.jobs.document_cache import DocumentCache
+from app.jobs.document_cache import DocumentCache, wants_fresh
 from app.jobs.service import JobService, render_document
 from hsx.errors import UnsupportedMediaType
 from hsx.regenerate.export import MEDIA_TYPE
@@ -91,9 +91,27 @@ def document_cache(settings: Settings) -> DocumentCache:
 
 
 @router.get("/{job_id}", response_model=schemas.JobOut, responses=ERRORS)
-async def get_job(job_id: str, settings: SettingsDep) -> Response:
+async def get_job(
+    job_id: str,
+    settings: SettingsDep,
+    cache_control: Annotated[
+        str | None,
+        Header(
+            description="no-cache: read the job table now. Without it a poll may get a rendering up to "
+            "HSX_JOB_DOCUMENT_TTL_SECONDS old (20 times that while a new one is made)."
+        ),
+    ] = None,
+) -> Response:
+    """A job's document. Polls share a short-lived rendering; a single look whose answer must be current
+    (``hsx status``) sends ``Cache-Control: no-cache``."""
     # Async, with no session of its own: a poll the cache answers never leaves the event loop.
-    body = await document_cache(settings).fetch(job_id, lambda: render_document(settings, job_id))
+    documents = document_cache(settings)
+
+    def render() -> bytes:
+        return render_document(settings, job_id)
+
+    fresh = wants_fresh(cache_control)
+    body = await (documents.fresh(job_id, render) if fresh else documents.fetch(job_id, render))
     # Already rendered through JobOut: sent as it is rather than validated and serialised again.
     return Response(content=body, media_type="application/json")
 

@@ -76,7 +76,9 @@ class JobService:
                 return self._same_request(existing, digest), False
         # Bounded work only: downloading, converting, counting and indexing are the job's first step, done
         # by a worker. A local dataset is vetted and its head read; a remote one is checked without transfer.
-        dataset_path = inspect_dataset(body.dataset_uri, self.settings).dataset_path
+        inspection = inspect_dataset(body.dataset_uri, self.settings)
+        dataset_path = inspection.dataset_path
+        self._check_records(options, inspection.record_kind)
         self._check_engine(options)
         job_id = str(uuid.uuid4())
         job = Job(
@@ -106,8 +108,22 @@ class JobService:
         enqueue_wakeups(self.settings, job.id, 1)
         return job, True
 
+    @staticmethod
+    def _check_records(options: JobOptions, record_kind: str) -> None:
+        """Refuse a job that could not keep a sample of the records the dataset's head shows: regenerating
+        pre-tokenized records (they have no turns to rewrite; every one would be rejected as
+        regenerate_needs_messages). A dataset only a worker reads (remote, Parquet, a folder) or one of
+        mixed records is left to the per-sample rejections."""
+        if options.regenerate is not None and record_kind == "pretokenized":
+            raise Unprocessable(
+                "regenerate rewrites the assistant turns of conversations, and the dataset's records are "
+                "pre-tokenized (input_ids, no messages): send them in messages form, or leave regenerate out",
+                error="regenerate_needs_messages",
+            )
+
     def _check_engine(self, options: JobOptions) -> None:
-        """Refuse options the engine cannot honour (a max_length past its context, other aux layers), and,
+        """Refuse options the engine cannot honour (a max_length past its context, a regenerate job's
+        max_new_tokens that leaves no room for a prompt in it, other aux layers), and,
         unless other engines may join (HSX_ENGINE_FLEET), an engine that fails the preflight
         (:mod:`app.jobs.admission`). An engine that does not answer now is no reason to refuse: every worker
         checks its own engine."""
@@ -124,10 +140,8 @@ class JobService:
             ) from exc
         except EngineError:
             return
-        problems = engine_fitness.option_problems(info, options, check_cache=False)
-        for problem in problems:
-            code = "max_length_exceeds_context" if problem.startswith("max_length") else "aux_layers_mismatch"
-            raise Unprocessable(f"{problem} ({url})", error=code)
+        for problem in engine_fitness.option_checks(info, options, check_cache=False):
+            raise Unprocessable(f"{problem.detail} ({url})", error=problem.code)
         if fleet:
             return
         checked = admission.preflight(self.settings, info)

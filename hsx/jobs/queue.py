@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 
-from redis import ConnectionPool, Redis
+from redis import Redis
 from rq import Queue
 
+from hsx.redis_clients import redis_connection
 from hsx.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -17,27 +17,6 @@ log = logging.getLogger(__name__)
 EXTRACTION_TASK = "workers.tasks.extraction.work_on_job"
 EXPORT_TASK = "workers.tasks.export.run_export"
 WAKEUP_PREFIX = "hsx-wake-"
-
-
-_POOLS: dict[str, ConnectionPool] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def redis_connection(settings: Settings) -> Redis:
-    """A client on the process's one connection pool for the URL. A fresh pool a call cost the API a TCP
-    connect (and its teardown) for every room token, wake-up and stream news an acknowledgement sends
-    (about 14 ms of CPU a stream request, bench/RESULTS.md). redis-py's pool notices a fork and starts
-    empty in the child, so a work horse never shares its parent's sockets."""
-    pool = _POOLS.get(settings.redis_url)
-    if pool is None:
-        with _POOLS_LOCK:
-            pool = _POOLS.get(settings.redis_url)
-            if pool is None:
-                pool = ConnectionPool.from_url(
-                    settings.redis_url, socket_timeout=10, socket_connect_timeout=5
-                )
-                _POOLS[settings.redis_url] = pool
-    return Redis(connection_pool=pool)
 
 
 def queue_for(settings: Settings, connection: Redis | None = None) -> Queue:

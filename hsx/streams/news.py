@@ -22,8 +22,10 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from redis import asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
 
-from hsx.jobs.queue import redis_connection
+from hsx.redis_clients import redis_connection
 from hsx.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,8 @@ async def wait_for(
     is subscribed by then) before the first look, so news that comes between a look and the wait is not
     missed: it marks the waiter, whose next wait ends at once."""
     deadline = time.monotonic() + seconds
-    listener = await _Listener.join(settings, job_id)
+    # A Redis that hangs delays the first look by a recheck at most, as lost news would.
+    listener = await _Listener.join(settings, job_id, min(seconds, RECHECK_SECONDS))
     waiter = asyncio.Event()
     if listener is not None:
         listener.add(waiter)
@@ -101,17 +104,19 @@ class _Listener:
         self.task: asyncio.Task[None] | None = None
 
     @classmethod
-    async def join(cls, settings: Settings, job_id: str) -> _Listener | None:
-        """The job's listener in this loop, subscribed; None when Redis cannot be reached."""
+    async def join(cls, settings: Settings, job_id: str, within: float) -> _Listener | None:
+        """The job's listener in this loop, subscribed; None when Redis cannot be reached, or does not
+        confirm the subscription within ``within`` seconds."""
         loop = asyncio.get_running_loop()
         channel = news_channel(settings, job_id)
         listeners = cls._by_loop.setdefault(loop, {})
         listener = listeners.get(channel)
         if listener is not None:
             return listener
-        pubsub = cls._client(loop, settings.redis_url).pubsub()
+        pubsub = cls._client(loop, settings).pubsub()
         try:
-            await pubsub.subscribe(channel)
+            async with asyncio.timeout(within):
+                await pubsub.subscribe(channel)
         except Exception as exc:  # noqa: BLE001 - without Redis the wait falls back to looking every recheck
             log.warning("could not listen for news of job %s's stream: %s", job_id, exc)
             await _close(pubsub)
@@ -125,10 +130,21 @@ class _Listener:
         return listener
 
     @classmethod
-    def _client(cls, loop: asyncio.AbstractEventLoop, url: str) -> aioredis.Redis:
+    def _client(cls, loop: asyncio.AbstractEventLoop, settings: Settings) -> aioredis.Redis:
+        """Connections of the news' own, apart from the short calls' pool. Each read of a subscription names
+        its own timeout (``get_message``), so the socket timeout bounds only connecting and subscribing:
+        a lease must not wait on a Redis that hangs longer than a short call would (without one, a lease
+        waited for as long as Redis hung)."""
         clients = cls._clients.setdefault(loop, {})
-        if (client := clients.get(url)) is None:
-            client = clients[url] = aioredis.Redis.from_url(url, socket_connect_timeout=5)
+        bound = settings.redis_timeout_seconds
+        key = f"{settings.redis_url} {bound}"
+        if (client := clients.get(key)) is None:
+            client = clients[key] = aioredis.Redis.from_url(
+                settings.redis_url,
+                socket_timeout=bound,
+                socket_connect_timeout=bound,
+                retry=AsyncRetry(NoBackoff(), 0),
+            )
         return client
 
     def add(self, waiter: asyncio.Event) -> None:

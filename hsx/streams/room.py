@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from hsx.jobs.queue import redis_connection
+from hsx.redis_clients import redis_connection, waiting_connection
 from hsx.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -34,12 +34,15 @@ def signal_room(settings: Settings, job_id: str, count: int = 1) -> None:
 
 
 def wait_for_room(settings: Settings, job_id: str, seconds: float) -> bool:
-    """Block until an acknowledgement signals room, at most ``seconds``; True when one did."""
+    """Block until an acknowledgement signals room, at most ``seconds``; True when one did. The wait holds a
+    connection whose socket timeout outlasts it (:func:`~hsx.redis_clients.waiting_connection`): on the
+    short calls' pool, a wait longer than their bound ended in a Redis timeout."""
     if seconds <= 0:
         return False
+    wait = max(1, round(seconds))
     try:
-        redis = redis_connection(settings)
-        return redis.blpop([room_key(settings, job_id)], timeout=max(1, round(seconds))) is not None
+        redis = waiting_connection(settings, wait)
+        return redis.blpop([room_key(settings, job_id)], timeout=wait) is not None
     except Exception as exc:  # noqa: BLE001 - waiting is an optimisation: give the job up, the queue wakes us
         log.warning("could not wait for room in job %s: %s", job_id, exc)
         return False

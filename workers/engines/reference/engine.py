@@ -202,7 +202,12 @@ class ReferenceEngine:
             dump_dir=self.config.dump_dir,
             prefix_cache=self.prefix_cache is not None,
             final_state=self.final_state,
-            extra={contract.MODEL_FINGERPRINT: self.fingerprint, engine_contract.SEEDED_SAMPLING: True},
+            extra={
+                contract.MODEL_FINGERPRINT: self.fingerprint,
+                engine_contract.SEEDED_SAMPLING: True,
+                # one process on one device: the layout every dataset it makes was made with
+                contract.PARALLEL_LAYOUT: contract.ParallelLayout().to_dict(),
+            },
             context_length=self.max_positions or None,
             max_dump_bytes=contract.dump_dir_capacity(self.config.dump_dir),
         )

@@ -1,4 +1,4 @@
-"""The capture inside one scheduler process (TP rank 0): module hooks, per-forward plans, copies.
+"""The capture inside one scheduler process (a DP group's leader): module hooks, per-forward plans, copies.
 
 Hooks (one slot per dump tensor, in :func:`config.dump_tensor_names` order):
 
@@ -29,6 +29,7 @@ from hsx import contract
 from workers.engines.sglang.arena import PinnedArena
 from workers.engines.sglang.config import ENGINE_NAME, SAFETENSORS_DTYPES, PluginConfig, dump_tensor_names
 from workers.engines.sglang.guards import NEEDS_ALLREDUCE_TAG, pending_reduction
+from workers.engines.sglang.layouts import attention_tp_size, scattered_taps
 from workers.engines.sglang.planning import Plan, Planner, ReqState
 from workers.engines.sglang.writer import DumpWriter, Job, Stats
 
@@ -78,8 +79,10 @@ class Capture:
         dtype: Any,
         device: Any,
         engine_extra: dict[str, Any] | None = None,
+        attention_tp: int = 1,
     ) -> None:
         self.torch = torch
+        self.attention_tp = attention_tp  # ranks sharing this leader's requests (layouts.py)
         self.cfg = cfg
         self.num_layers = num_layers
         self.hidden_size = hidden_size
@@ -135,7 +138,7 @@ class Capture:
         )
 
     @classmethod
-    def create(cls, cfg: PluginConfig, model_runner: Any, server_args: Any) -> Capture:
+    def create(cls, cfg: PluginConfig, model_runner: Any, server_args: Any, dp_rank: Any = None) -> Capture:
         import torch
 
         model = model_runner.model
@@ -154,7 +157,10 @@ class Capture:
         except Exception:
             version = None
         extra = engine_extra(server_args, version)
-        return cls(cfg, torch, model, num_layers, hidden, dtype, device, extra)
+        extra["dp_rank"] = dp_rank  # which DP group's leader wrote a dump (None without DP)
+        return cls(
+            cfg, torch, model, num_layers, hidden, dtype, device, extra, attention_tp_size(server_args)
+        )
 
     # ---- hooks ------------------------------------------------------------------------------------
 
@@ -165,6 +171,15 @@ class Capture:
         layers, norm = find_decoder(model)
         if len(layers) != self.num_layers:
             raise RuntimeError(f"hsx: model has {len(layers)} decoder layers, config says {self.num_layers}")
+        if self.attention_tp > 1:
+            # The model's own word on its layout (the launcher judged from the config): a tapped layer whose
+            # output stays split over the attention-TP ranks leaves this leader only its share of the rows.
+            split = scattered_taps(layers, [*self.aux, self.num_layers - 1])
+            if split:
+                raise RuntimeError(
+                    f"hsx: layers {split} leave their output SCATTERED over {self.attention_tp} attention-TP "
+                    "ranks: this leader would hold only its share of their rows; refusing to capture"
+                )
         slot = 0
         for layer_id in self.aux:
             hook = functools.partial(self._layer_pre_hook, slot)

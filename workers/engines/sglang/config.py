@@ -18,7 +18,7 @@ ENGINE_NAME = "sglang"
 # Plugin configuration, passed from the launcher to the spawned schedulers through the environment.
 ENV_DUMP_DIR = "HSX_SGLANG_DUMP_DIR"
 ENV_AUX_LAYERS = "HSX_SGLANG_AUX_LAYERS"  # comma-separated decoder layer ids; empty: EAGLE-3 default
-ENV_PINNED_MB = "HSX_SGLANG_PINNED_MB"  # pinned host staging arena (TP rank 0 only)
+ENV_PINNED_MB = "HSX_SGLANG_PINNED_MB"  # pinned host staging arena of each capturing scheduler
 ENV_WRITERS = "HSX_SGLANG_WRITER_THREADS"
 # How long the scheduler thread may hold the GIL before a writer thread gets it back (ms); 0 keeps Python's
 # 5 ms. SGLang's scheduler loop runs Python without pause, so at 5 ms every writer syscall waited for it.
@@ -28,6 +28,11 @@ DEFAULT_SWITCH_INTERVAL_MS = 0.5
 ENV_STATS_SECONDS = "HSX_SGLANG_STATS_SECONDS"  # period of the stats log line; 0 disables it
 ENV_FINAL_STATE = "HSX_SGLANG_FINAL_STATE"  # post | pre | both (contract.FINAL_STATES)
 ENV_ANY_VERSION = "HSX_SGLANG_ALLOW_ANY_VERSION"  # "1": the user overrode the version range
+# "1": every node's dump dir is the directory the worker reads (--shared-dump-dir; multi-node DP attention).
+ENV_SHARED_DUMP_DIR = "HSX_SGLANG_SHARED_DUMP_DIR"
+# How long a multi-node launch waits for the other nodes' schedulers to say how they run (peers.py).
+ENV_PEER_WAIT_SECONDS = "HSX_SGLANG_PEER_WAIT_SECONDS"
+DEFAULT_PEER_WAIT_SECONDS = 300.0
 
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
@@ -107,6 +112,8 @@ class PluginConfig:
     stats_seconds: float = 30.0
     final_state: str = "post"
     allow_any_version: bool = False
+    shared_dump_dir: bool = False
+    peer_wait_seconds: float = DEFAULT_PEER_WAIT_SECONDS
 
     def __post_init__(self) -> None:
         if self.final_state not in contract.FINAL_STATES:
@@ -117,6 +124,8 @@ class PluginConfig:
             raise ValueError(f"writer_threads must be at least 1, got {self.writer_threads}")
         if not 0 <= self.switch_interval_ms <= 100:
             raise ValueError(f"switch_interval_ms must be within 0..100, got {self.switch_interval_ms}")
+        if self.peer_wait_seconds <= 0:
+            raise ValueError(f"peer_wait_seconds must be positive, got {self.peer_wait_seconds}")
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -128,6 +137,8 @@ class PluginConfig:
             ENV_STATS_SECONDS: str(self.stats_seconds),
             ENV_FINAL_STATE: self.final_state,
             ENV_ANY_VERSION: "1" if self.allow_any_version else "0",
+            ENV_SHARED_DUMP_DIR: "1" if self.shared_dump_dir else "0",
+            ENV_PEER_WAIT_SECONDS: str(self.peer_wait_seconds),
         }
 
     @classmethod
@@ -148,6 +159,8 @@ class PluginConfig:
             stats_seconds=float(env.get(ENV_STATS_SECONDS, "30")),
             final_state=env.get(ENV_FINAL_STATE, "post") or "post",
             allow_any_version=env.get(ENV_ANY_VERSION, "0") == "1",
+            shared_dump_dir=env.get(ENV_SHARED_DUMP_DIR, "0") == "1",
+            peer_wait_seconds=float(env.get(ENV_PEER_WAIT_SECONDS, str(DEFAULT_PEER_WAIT_SECONDS))),
         )
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from workers.engines.sglang.layouts import layout_problems
+
 # The tag SGLang 0.5.17 sets on a layer output whose all-reduce was deferred to the next layer.
 NEEDS_ALLREDUCE_TAG = "_sglang_needs_allreduce_fusion"
 
@@ -95,8 +97,9 @@ def deferred_reduction_problems(server_args: Any) -> list[str]:
     return problems
 
 
-def unsupported_config(server_args: Any) -> list[str]:
-    """Server configurations under which the hooks would capture wrong rows; empty when fine."""
+def unsupported_config(server_args: Any, shared_dump_dir: bool = False) -> list[str]:
+    """Server configurations under which the hooks would capture wrong rows; empty when fine.
+    (Parallel layouts: :func:`layouts.layout_problems`; ``shared_dump_dir`` is the launcher's flag.)"""
     problems: list[str] = []
 
     def get(name: str, default: Any = None) -> Any:
@@ -104,12 +107,7 @@ def unsupported_config(server_args: Any) -> list[str]:
 
     if get("is_embedding"):
         problems.append("embedding models (--is-embedding)")
-    if (get("pp_size") or 1) > 1:
-        problems.append(
-            "pipeline parallelism (--pp-size > 1): aux layers and final norm live on different ranks"
-        )
-    if get("enable_dp_attention"):
-        problems.append("DP attention (--enable-dp-attention): per-rank batches are padded and gathered")
+    problems += layout_problems(server_args, shared_dump_dir)
     if (
         (get("attn_cp_size") or 1) > 1
         or (get("dcp_size") or 1) > 1

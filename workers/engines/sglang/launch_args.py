@@ -20,7 +20,7 @@ from typing import Any
 
 from hsx import contract
 from hsx.regenerate import engine_contract
-from workers.engines.sglang import guards
+from workers.engines.sglang import guards, layouts
 from workers.engines.sglang.config import (
     DEFAULT_SWITCH_INTERVAL_MS,
     DEFAULT_WRITERS,
@@ -71,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
             f"output) as {contract.PRE_NORM_TENSOR} instead; both"
         ),
     )
-    parser.add_argument("--pinned-mb", type=int, default=2048, help="pinned host staging arena (MiB)")
+    parser.add_argument(
+        "--pinned-mb",
+        type=int,
+        default=2048,
+        help="pinned host staging memory (MiB) of this node, shared by its capturing schedulers (DP leaders)",
+    )
     # The defaults come from the environment, so HSX_SGLANG_* set by a deployment is not overridden.
     parser.add_argument(
         "--writer-threads",
@@ -90,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--with-tokenizer", action="store_true", help="do not add --skip-tokenizer-init")
+    parser.add_argument(
+        "--shared-dump-dir",
+        action="store_true",
+        help=(
+            "every node's --dump-dir is the directory the worker reads (a shared file system, or simulated "
+            "nodes on one host): lets DP-attention groups on several nodes capture (checked at start)"
+        ),
+    )
     parser.add_argument(
         VERSION_OVERRIDE_FLAG,
         dest="allow_unsupported_sglang_version",
@@ -134,10 +147,12 @@ def sglang_argv(ns: argparse.Namespace, rest: Sequence[str]) -> list[str]:
     return out
 
 
-def launch_problems(server_args: Any, env: Mapping[str, str] | None = None) -> list[str]:
+def launch_problems(
+    server_args: Any, env: Mapping[str, str] | None = None, shared_dump_dir: bool = False
+) -> list[str]:
     """Everything about the final server arguments (and the launcher's environment) hsx refuses."""
     env = os.environ if env is None else env
-    problems = guards.unsupported_config(server_args)
+    problems = guards.unsupported_config(server_args, shared_dump_dir)
     if (getattr(server_args, "tokenizer_worker_num", 1) or 1) > 1:
         problems.append("--tokenizer-worker-num > 1: /hsx/info lives in this process's app only")
     if env.get("SGLANG_RUST_SERVER", "").lower() in ("1", "true", "yes"):
@@ -161,6 +176,7 @@ def engine_extra(server_args: Any, version: str | None = None) -> dict[str, Any]
         "supported_versions": SUPPORTED_RANGE,
         "version_in_range": version_problem(version) is None,
         "tp_size": int(get("tp_size") or 1),
+        contract.PARALLEL_LAYOUT: layouts.parallel_layout(server_args).to_dict(),
         "chunked_prefill_size": get("chunked_prefill_size"),
         "attention_backend": get("attention_backend"),
         "flashinfer_allreduce_fusion_backend": get("flashinfer_allreduce_fusion_backend"),

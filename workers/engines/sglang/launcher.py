@@ -26,7 +26,7 @@ from typing import Any
 
 from hsx import contract
 from hsx.model_identity import model_fingerprint
-from workers.engines.sglang import guards, plugin
+from workers.engines.sglang import guards, layouts, plugin
 from workers.engines.sglang.config import (
     SAFETENSORS_DTYPES,
     PluginConfig,
@@ -73,7 +73,7 @@ def resolve_server_args(ns: argparse.Namespace, rest: Sequence[str], prepare: An
 
         prepare = prepare_server_args
     server_args = prepare(sglang_argv(ns, rest))
-    problems = launch_problems(server_args)
+    problems = launch_problems(server_args, shared_dump_dir=bool(ns.shared_dump_dir))
     if problems:
         raise LaunchRefused("unsupported configuration: " + "; ".join(problems))
     return server_args
@@ -97,16 +97,27 @@ def served_prompt_limit() -> int | None:
     return int(limit) - 1 if isinstance(limit, int) and limit > 1 else None
 
 
-def dump_limit(dump_dir: str) -> int | None:
+def dump_limit(dump_dir: str, writers_on_host: int = 1, writers_on_disk: int = 1) -> int | None:
     """The largest dump the plugin can write: it must fit the dump directory's file system, and a chunked
     prompt is gathered whole in host memory (workers/engines/sglang/reassembly.py) while its dump is
-    written, to shared memory on a GPU host: half the host's memory at most."""
+    written, to shared memory on a GPU host: half the host's memory at most. Under DP attention every
+    group's leader writes at once: ``writers_on_host`` share the memory, ``writers_on_disk`` the disk."""
     capacity = contract.dump_dir_capacity(dump_dir)
+    capacity = capacity // max(1, writers_on_disk) if capacity else capacity
     try:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2 // max(1, writers_on_host)
     except (ValueError, OSError):
         return capacity
     return min(capacity, memory) if capacity else memory
+
+
+def capture_leaders(ns: argparse.Namespace, server_args: Any) -> tuple[int, int]:
+    """How many capturing schedulers share this node's host memory, and this dump directory's disk."""
+    node = int(getattr(server_args, "node_rank", 0) or 0)
+    nnodes = int(getattr(server_args, "nnodes", 1) or 1)
+    here = layouts.leaders_on_node(server_args, node)
+    everywhere = sum(layouts.leaders_on_node(server_args, n) for n in range(nnodes))
+    return here, everywhere if ns.shared_dump_dir else here
 
 
 def build_info(
@@ -125,15 +136,25 @@ def build_info(
         raise LaunchRefused(str(exc)) from None
     if dtype not in SAFETENSORS_DTYPES:
         raise LaunchRefused(f"unsupported model dtype {dtype}")
+    text_config = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    problems = layouts.dense_aux_problems(server_args, text_config, aux, num_layers)
+    if problems:
+        raise LaunchRefused("unsupported configuration: " + "; ".join(problems))
+    on_host, on_disk = capture_leaders(ns, server_args)
     cfg = PluginConfig(
         dump_dir=dump_dir,
         aux_layer_ids=aux,
-        pinned_mb=ns.pinned_mb,
+        # the node's pinned budget, split among the DP leaders that capture on it
+        pinned_mb=max(1, ns.pinned_mb // max(1, on_host)),
         writer_threads=ns.writer_threads,
         switch_interval_ms=ns.switch_interval_ms,
         stats_seconds=float(os.environ.get(plugin.ENV_STATS_SECONDS, "30")),
         final_state=ns.final_state,
         allow_any_version=bool(ns.allow_unsupported_sglang_version),
+        shared_dump_dir=bool(ns.shared_dump_dir),
+        peer_wait_seconds=float(
+            os.environ.get(plugin.ENV_PEER_WAIT_SECONDS, str(plugin.DEFAULT_PEER_WAIT_SECONDS))
+        ),
     )
     context = int(getattr(model_config, "context_len", 0) or 0) or None
     info = contract.EngineInfo(
@@ -150,7 +171,7 @@ def build_info(
         extra=engine_extra(server_args, version),
         context_length=context,
         max_prompt_tokens=context - SCHEDULER_MARGIN if context else None,
-        max_dump_bytes=dump_limit(dump_dir),
+        max_dump_bytes=dump_limit(dump_dir, on_host, on_disk),
     )
     if os.path.isdir(str(server_args.model_path)):
         # Which weights produced the states: workers never mix two checkpoints of one shape in a job. A hub
@@ -188,8 +209,12 @@ def main(argv: list[str]) -> int:
     _say(
         f"sglang {version} layers={info.num_layers} hidden={info.hidden_size} dtype={info.dtype} "
         f"aux={info.aux_layer_ids} hf={info.hf_indices} final_state={info.final_state} "
-        f"dump_dir={dump_dir} prefix_cache={info.prefix_cache} tp={info.extra['tp_size']}"
+        f"dump_dir={dump_dir} prefix_cache={info.prefix_cache} layout={info.parallel_layout} "
+        f"pinned_mb={cfg.pinned_mb} per capturing scheduler"
     )
+    node = int(getattr(server_args, "node_rank", 0) or 0)
+    if node > 0 and not cfg.shared_dump_dir:
+        _say(f"node {node}: no scheduler here captures; dumps are written on node 0, where the worker runs")
     launch_server(server_args, run_scheduler_process_func=plugin.run_scheduler_process)
     return 0
 
