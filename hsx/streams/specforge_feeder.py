@@ -11,14 +11,16 @@ the shard stays leased, so its bytes count against the job's cap. The feeder lea
 exactly as a slow hsx consumer does.
 
 A failed or cancelled job becomes the channel's ``.failed`` sentinel (the trainer raises); a succeeded
-one, once every shard is fed, ``.closed`` (the trainer ends when drained). A restarted feeder
-continues the same channel: refs already appended are not appended again, and the old hsx consumer's
-leases are handed back first so its shards come back at once.
+one, once every shard is fed, ``.closed`` (the trainer ends when drained). Given the trainer's YAML, the
+feeder writes the schedule ``specforge train`` waits for (:mod:`hsx.streams.specforge_schedule`). A
+restarted feeder continues the same channel: refs already appended are not appended again, and the old
+hsx consumer's leases are handed back first so its shards come back at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -33,9 +35,20 @@ from hsx.streams import specforge_layout as layout
 from hsx.streams.api_calls import call_api
 from hsx.streams.contract import LEASE_WAIT_MAX_SECONDS
 from hsx.streams.reader import item_samples, manifest_for
-from hsx.streams.specforge_cli import DEFAULT_LEASE_SECONDS, DEFAULT_WINDOW
+from hsx.streams.specforge_cli import DEFAULT_LEASE_SECONDS, DEFAULT_WINDOW, resolve_target
+from hsx.streams.specforge_schedule import (
+    SCHEDULE_SUFFIX,
+    TrainerConfigError,
+    TrainerRun,
+    dtype_problem,
+    num_prompts,
+    schedule_record,
+)
 
 log = logging.getLogger(__name__)
+
+# How often the feeder reads the job's document while it streams: rejections can make it too short.
+PROGRESS_CHECK_SECONDS = 5.0
 
 
 class FeedError(RuntimeError):
@@ -79,6 +92,9 @@ class SpecForgeFeeder:
     should_stop: Callable[[], bool] = field(default=lambda: False)
     # Where features go; default: SharedDirFeatureStore's layout under store_root/store_id.
     sink: layout.FeatureSink | None = None
+    # The trainer's run YAML as read by specforge_schedule: the schedule record is written from it.
+    trainer: TrainerRun | None = None
+    prompts: int | None = None  # distinct conversations, when the trainer runs more than one epoch
 
     def __post_init__(self) -> None:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -88,6 +104,9 @@ class SpecForgeFeeder:
         self.position = {ref["sample_id"]: n for n, ref in enumerate(self.channel.refs)}
         self.held: dict[int, HeldItem] = {}
         self.consumer_id = ""
+        self.required: int | None = None  # refs the schedule promised the trainer (total_steps x quantum)
+        self.spare = 0  # samples the job may reject and still fill the schedule (its tail past a window)
+        self._next_check = 0.0
 
     # -- the API ------------------------------------------------------------------------------------------
     def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
@@ -107,33 +126,76 @@ class SpecForgeFeeder:
         self.consumer_id = str(self._call("POST", "/consumers", body)["id"])
         self.channel.write_sidecar(layout.HSX_CONSUMER, self.consumer_id)
 
-    def _manifest(self) -> tuple[Manifest, dict[str, Any]] | str:
-        """The job's layout once a worker has started it, or why it never will."""
+    def _started(self) -> dict[str, Any] | str:
+        """The job's document once a worker has prepared and started it, or why it never will."""
         while True:
             doc = self._call("GET", "")
             if doc["state"] in ("failed", "cancelled"):
                 return _broken(self.job_id, doc["state"], doc.get("error"))
             if doc.get("engine"):
-                return manifest_for(doc), doc["engine"]
+                return dict(doc)
             if self.should_stop():
                 return "feeder stopped before the job started"
             time.sleep(self.poll_seconds)
+
+    def _publish_schedule(self, run: TrainerRun, samples_total: int, dtype: str | None = None) -> str | None:
+        """Write ``<channel>.schedule.json`` for the job's samples; or why the trainer cannot have one."""
+        try:
+            problem = dtype_problem(dtype) if dtype else None
+            if problem is not None or run.fixed_horizon:  # a fixed horizon: the consumer reads no record
+                return problem and f"hsx job {self.job_id}: {problem}"
+            record = schedule_record(run, num_prompts(run, samples_total, self.prompts))
+        except TrainerConfigError as exc:
+            return f"hsx job {self.job_id}: {exc}"
+        self.required = int(record["total_steps"]) * run.quantum
+        self.spare = samples_total - self.required
+        text = json.dumps(record, sort_keys=True)
+        existing = self.channel.read_sidecar(SCHEDULE_SUFFIX)
+        if existing is None:
+            self.channel.write_sidecar(SCHEDULE_SUFFIX, text)
+        elif json.loads(existing) != record:
+            # A restart with another config: refuse to feed, but leave the channel (and its trainer) be.
+            self._leave()
+            raise FeedError(f"{self.channel_path} already holds the schedule {existing}, not {text}")
+        return None
+
+    def _short(self, rejected: int | None = None) -> str | None:
+        """Why the stream cannot give the trainer the steps its schedule promised, if it cannot."""
+        if self.required is None:
+            return None
+        if rejected is not None and rejected > self.spare:
+            return (
+                f"hsx job {self.job_id} rejected {rejected} samples (GET /jobs/{{id}}/rejections): the "
+                f"trainer's schedule needs {self.required} of them, which leaves room for {self.spare}"
+            )
+        if rejected is None and self.channel.appended < self.required:
+            return (
+                f"hsx job {self.job_id} gave {self.channel.appended} samples; the trainer's schedule "
+                f"needs {self.required}"
+            )
+        return None
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> FeedResult:
         self._check_channel()
         self._register()
-        started = self._manifest()
+        started = self._started()
         if isinstance(started, str):
             self.channel.fail(started)
             self._leave()
             return FeedResult("failed", reason=started)
-        manifest, engine = started
+        manifest, engine = manifest_for(started), started["engine"]
+        reason = None
         if manifest.final_state == "pre":
             reason = (
                 "SpecForge's EAGLE-3 trainer takes the post-norm final state as its target; this job "
                 "captured only the pre-norm one (final_state 'pre')"
             )
+        elif self.trainer is not None:
+            total = int(started["progress"]["samples_total"])
+            reason = self._publish_schedule(self.trainer, total, manifest.dtype)
+        if reason is not None:
+            # Before any ref: a consumer waiting for the schedule record raises with this reason.
             self.channel.fail(reason)
             self._leave()
             return FeedResult("failed", reason=reason)
@@ -166,6 +228,13 @@ class SpecForgeFeeder:
             result.acked_items += self._settle(consumed)
             in_flight = self.channel.appended - consumed
             result.peak_in_flight = max(result.peak_in_flight, in_flight)
+            if not leased_all and self.required is not None and time.monotonic() >= self._next_check:
+                self._next_check = time.monotonic() + PROGRESS_CHECK_SECONDS
+                ended = self._ended()
+                if ended is not None:
+                    self.channel.fail(ended)
+                    result.outcome, result.reason = "failed", ended
+                    return
             if leased_all:
                 if not self.held:
                     return
@@ -182,6 +251,11 @@ class SpecForgeFeeder:
                 for item in answer["items"]:
                     result.appended += self._feed_item(item, manifest, meta)
                 if answer["end_of_stream"] and not answer["items"]:
+                    short = self._short()
+                    if short is not None:  # closed, the trainer would end steps short without a word
+                        self.channel.fail(short)
+                        result.outcome, result.reason = "failed", short
+                        return
                     leased_all = True
                     if not self.channel.is_closed():
                         self.channel.close()
@@ -200,12 +274,11 @@ class SpecForgeFeeder:
             time.sleep(self.poll_seconds)
 
     def _ended(self) -> str | None:
+        """Why the stream must stop: the job failed, or rejected more samples than the schedule allows."""
         doc = self._call("GET", "")
-        return (
-            _broken(self.job_id, doc["state"], doc.get("error"))
-            if doc["state"] in ("failed", "cancelled")
-            else None
-        )
+        if doc["state"] in ("failed", "cancelled"):
+            return _broken(self.job_id, doc["state"], doc.get("error"))
+        return self._short(int(doc["progress"]["samples_rejected"]))
 
     def _feed_item(self, item: dict[str, Any], manifest: Manifest, meta: dict[str, Any]) -> int:
         item_id, delivery = int(item["id"]), int(item["delivery"])
@@ -283,35 +356,35 @@ def _broken(job_id: str, state: str, error: str | None) -> str:
 
 
 def run_feed_command(args: argparse.Namespace, token: str | None) -> int:
-    store_id = args.store_id or args.job_id
+    try:
+        target = resolve_target(args)
+    except TrainerConfigError as exc:
+        print(f"hsx feed: {exc}")
+        return 2
     sink = None
-    if args.backend == "mooncake":
-        if not (args.mooncake_master and args.mooncake_metadata):
-            print("hsx feed: --backend mooncake needs --mooncake-master and --mooncake-metadata")
-            return 2
+    if target.backend == "mooncake":
         from hsx.streams.specforge_mooncake import MooncakeFeatures, MooncakeSetup
 
         setup = MooncakeSetup(
-            master=args.mooncake_master,
-            metadata_server=args.mooncake_metadata,
-            local_hostname=args.mooncake_host,
+            master=str(target.mooncake_master),
+            metadata_server=str(target.mooncake_metadata),
+            local_hostname=target.mooncake_host,
             segment_bytes=args.mooncake_segment_bytes,
         )
-        sink = MooncakeFeatures(setup, store_id)
-    elif args.store_root is None:
-        print("hsx feed: --backend shared_dir needs --store-root")
-        return 2
+        sink = MooncakeFeatures(setup, target.store_id)
     feeder = SpecForgeFeeder(
         api_url=args.api_url,
         job_id=args.job_id,
-        channel_path=args.channel,
-        store_root=args.store_root or Path("."),
-        store_id=store_id,
+        channel_path=target.channel,
+        store_root=target.store_root or Path("."),
+        store_id=target.store_id,
         token=token,
         window=args.window,
         lease_seconds=args.lease_seconds,
         poll_seconds=args.poll_seconds,
         sink=sink,
+        trainer=target.trainer,
+        prompts=args.prompts,
     )
     try:
         result = feeder.run()

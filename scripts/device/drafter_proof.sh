@@ -40,9 +40,10 @@ c1() {  # SGLang 0.5.17, the wheels, the prompts; the training probe starts in t
   python3 "$D/make_prompts.py" "$W/prompts" >> "$W/out/install.log" 2>&1
   mkdir -p "$W/bin" "$W/wheels" && cp -r "$D" "$SELF" "$W/bin/" && cp .whl/specforge-*.whl "$W/wheels/"
   say "installed: $(tail -2 "$W/out/install.log" | tr '\n' ' '); $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)"
-  setsid python3 "$D/probe.py" "$W" "$W/out" "$D/draft.json" "$D/train_entry.py" > "$W/out/probe.log" 2>&1 &
+  local b=$W/bin/drafter
+  setsid python3 "$b/probe.py" "$W" "$W/out" "$b/draft.json" "$b/train_entry.py" > "$W/out/probe.log" 2>&1 &
   echo $! > "$W/probe.pid"
-  say "probe started"
+  say "probe started; MPS control: $(command -v nvidia-cuda-mps-control || echo none); $(python3 --version)"
 }
 
 c2() {  # the GGUF's first part and redis-server
@@ -97,7 +98,8 @@ PY
     PYTHONPATH="/tmp/mooncake/site:$PYTHONPATH" LD_LIBRARY_PATH="/tmp/mooncake/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
       W=$W MODEL=$MODEL TRAIN_JSONL=$W/train.jsonl VOCAB_MAPPING=$W/feat/hsx/vocab_mapping/vocab_mapping.pt \
       ENGINE_URL=http://127.0.0.1:30011 DRAFT_CONFIG=$D/draft.json EPOCHS=$EPOCHS LR=$LR BATCH=$BATCH MAXLEN=$MAXLEN \
-      SEED=42 CAP_FRACTION=${CAP_FRACTION:-0.1} OUT=$W/out PORT_BASE=29700 bash "$streamed" start >> "$W/out/streamed.log" 2>&1
+      SEED=42 CAP_FRACTION=${CAP_FRACTION:-0.1} OUT=$W/out PORT_BASE=29700 LOADER_WORKERS=4 \
+      SPECFORGE="env FAST=1 python3 $D/train_entry.py" bash "$streamed" start >> "$W/out/streamed.log" 2>&1
     say "streamed row started (exit $?): $(tail -1 "$W/out/streamed.log")"
   else
     say "streamed row: not run (no streamed.sh, or Mooncake not installed by call 4)"
@@ -120,7 +122,7 @@ c4() {  # SGLang 0.5.14 for SpecForge's own capture, which runs in the backgroun
   say "Mooncake: ${missing:+missing }${missing:-every library found}"
   setsid bash "$W/bin/drafter_proof.sh" bg_specforge > "$W/out/bg_specforge.log" 2>&1 &
   say "SpecForge pipeline started"
-  local until=$(( $(date +%s) + ${C4_WAIT:-550} ))
+  local until=$(( $(date +%s) + ${C4_WAIT:-480} ))
   while [ "$(date +%s)" -lt "$until" ]; do
     sleep 30
     say "progress: $(train_progress $ROWS) gpu $(gpu_mem)"
@@ -163,7 +165,7 @@ c5() {  # the drafts: wait, export, serve all at once, tau, table
   ( sleep 565; say "c5 watchdog: packing what exists"; pack c5_partial ) &
   local watchdog=$!
   local trained=""
-  train_wait "${TRAIN_WAIT:-420}" $ROWS || say "not every run finished: $(train_progress $ROWS)"
+  train_wait "${TRAIN_WAIT:-400}" $ROWS || say "not every run finished: $(train_progress $ROWS)"
   for n in $ROWS; do [ "$(cat "$W/train/$n/exit" 2>/dev/null)" = 0 ] && trained="$trained $n"; done
   say "trained:$trained ($(train_progress $ROWS))"
   local streamed=$R/scripts/device/drafter/streamed.sh
@@ -174,16 +176,20 @@ c5() {  # the drafts: wait, export, serve all at once, tau, table
   fi
   for p in "$W"/engine_*.pid; do stop_pidfile "$p"; done
   local exported=""
-  for n in $trained; do export_draft "$n" & done; wait
+  local pids=()  # explicit pids: a bare wait would also wait for the watchdog
+  for n in $trained; do export_draft "$n" & pids+=($!); done
+  [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
   for n in $trained; do [ -f "$W/draft/$n/config.json" ] && exported="$exported $n"; done
   for chain in "3 1 4" "5 1 6"; do
     set -- $chain
-    if [ "$1" = 5 ] && [ $(( $(date +%s) - start )) -gt "${SECOND_CHAIN_BY:-430}" ]; then
+    if [ "$1" = 5 ] && [ $(( $(date +%s) - start )) -gt "${SECOND_CHAIN_BY:-380}" ]; then
       say "chain 5/1/6: not run (no time left in the call)"; break
     fi
     local port=30100
     for n in $exported; do port=$((port + 1)); serve_start "$n" "$port" "$1" "$2" "$3"; done
-    for n in $exported; do tau_one "$n" "$1" "$2" "$3" & done; wait
+    pids=()
+    for n in $exported; do tau_one "$n" "$1" "$2" "$3" & pids+=($!); done
+    [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
   done
   cp "$W"/train/*/run.yaml "$W/out/" 2>/dev/null
   for n in $ROWS; do cp "$W/train/$n/run.yaml" "$W/out/run_$n.yaml" 2>/dev/null; done
