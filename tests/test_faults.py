@@ -32,6 +32,7 @@ from tests.fixtures.jobs import running_job
 from tests.fixtures.kills import end_unit_lease, freeze_holding_a_lease, live_lease, owner_pid, units
 from tests.fixtures.ports import reserved_port
 from tests.fixtures.processes import children, gone, signal_pids, wait_gone
+from tests.fixtures.shared import once_per_session
 from tests.fixtures.stack import REPO, Stack, make_stack
 
 T = TypeVar("T")
@@ -235,11 +236,15 @@ def uninterrupted_output(engine: Any, tmp: Path, dataset: Path, total: int, per_
 
 @pytest.fixture(scope="module")
 def baseline(engine_nocache: Any, tmp_path_factory: pytest.TempPathFactory) -> Output:
-    """The output of an uninterrupted run of the fault tests' dataset."""
-    tmp = tmp_path_factory.mktemp("baseline")
-    out = uninterrupted_output(
-        engine_nocache, tmp, write_chats(tmp / "chats.jsonl", SAMPLES), SAMPLES, PER_SHARD
-    )
+    """The output of an uninterrupted run of the fault tests' dataset: one run per session, read by every
+    test process (tests/fixtures/shared.py); each process's engine is the same model with the same flags."""
+
+    def run(tmp: Path) -> Output:
+        return uninterrupted_output(
+            engine_nocache, tmp, write_chats(tmp / "chats.jsonl", SAMPLES), SAMPLES, PER_SHARD
+        )
+
+    out = once_per_session(tmp_path_factory, "faults-baseline", run)
     assert out.rejected == {
         **dict.fromkeys(MALFORMED, "malformed_json"),
         **dict.fromkeys(NO_ANSWER, "no_assistant_turn"),

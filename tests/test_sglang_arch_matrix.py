@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hsx import contract
+from tests.fixtures.shared import once_per_session
 from workers.engines.sglang.config import dump_tensor_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "device"))
@@ -28,13 +29,18 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [11, 12, 13], [40]]
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, dict[str, Any]]]:
-    """Every matrix architecture, tiny, with its reference states (made once per test module)."""
-    out = {}
-    for name in arch_models.ARCHS:
-        path = str(tmp_path_factory.mktemp(name))
-        arch_models.make_model(name, path, device="cpu", tiny=True)
-        out[name] = (path, arch_models.reference_states(path, name, PROMPTS, HF, "cpu"))
-    return out
+    """Every matrix architecture, tiny, with its reference states: made once per session, whichever test
+    process asks first (tests/fixtures/shared.py)."""
+
+    def build(work: Path) -> dict[str, tuple[str, dict[str, Any]]]:
+        out = {}
+        for name in arch_models.ARCHS:
+            path = str(work / name)
+            arch_models.make_model(name, path, device="cpu", tiny=True)
+            out[name] = (path, arch_models.reference_states(path, name, PROMPTS, HF, "cpu"))
+        return out
+
+    return once_per_session(tmp_path_factory, "sglang-arch-matrix", build)
 
 
 @pytest.mark.parametrize("name", arch_models.ARCHS)
