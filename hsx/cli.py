@@ -20,10 +20,9 @@ def _print(doc: Any) -> None:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from app.security import serving_refusal
     from hsx.logging_setup import configure_logging
+    from hsx.serving import serve
 
     settings = get_settings()
     refusal = serving_refusal(args.host, settings)
@@ -35,10 +34,11 @@ def cmd_api(args: argparse.Namespace) -> int:
     # it back after at most this long (Python's default is 5 ms, which shows in the tail latency).
     sys.setswitchinterval(0.0005)
     trusted_proxies = settings.forwarded_allow_ips.strip()
-    uvicorn.run(
+    serve(
         "app.main:app",
         host=args.host,
         port=args.port,
+        port_file=args.port_file,
         log_config=None,
         # Forwarded headers rewrite the client address; they count only from proxies named in the settings.
         proxy_headers=bool(trusted_proxies),
@@ -317,6 +317,7 @@ def cmd_feed(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from hsx.cli_options import add_model_flags
     from hsx.job_options import JobOptions
+    from hsx.serving import add_port_file_option
 
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="hsx", description=__doc__)
@@ -324,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("api", help="serve the HTTP API")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (see --port-file)")
+    add_port_file_option(p)
     p.set_defaults(func=cmd_api)
 
     p = sub.add_parser("worker", help="run a worker (RQ) with the reconciler")

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from hsx.local_stack import LocalStack, free_port, hsx_command, local_stack, redis_reachable, wait_http
+from hsx.local_stack import LocalStack, hsx_command, local_stack, redis_reachable, wait_http, wait_port_file
 from hsx.settings import get_settings
 
 
@@ -38,13 +38,19 @@ def _repeat_dataset(dataset: Path, repeat: int, work: Path) -> Path:
     return out.resolve()
 
 
+def _start(stack: LocalStack, name: str, args: list[str], env: dict[str, str], timeout: float) -> str:
+    """``hsx ARGS`` serving on a port it binds itself (``--port 0``): its URL once it answers."""
+    port_file = stack.log_dir / f"{name}.port"
+    port_file.unlink(missing_ok=True)
+    proc = stack.start(name, hsx_command(*args, "--port", "0", "--port-file", str(port_file)), env)
+    url = f"http://127.0.0.1:{wait_port_file(port_file, timeout, proc)}"
+    wait_http(f"{url}/{'healthz' if args[0] == 'api' else 'health'}", timeout, proc)
+    return url
+
+
 def _start_engines(stack: LocalStack, env: dict[str, str]) -> list[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     _say("starting the reference engine (the first run converts the model, about a minute)")
-    cmd = hsx_command("engine", "--backend", "reference", "--port", str(port), "--disable-prefix-cache")
-    wait_http(f"{url}/health", 900, stack.start("engine", cmd, env))
-    return [url]
+    return [_start(stack, "engine", ["engine", "--backend", "reference", "--disable-prefix-cache"], env, 900)]
 
 
 def run_demo(
@@ -71,13 +77,9 @@ def run_demo(
         upgrade(get_settings().resolved_database_url)
         _say("job table migrated")
         urls = engine_urls or _start_engines(stack, env)
-        api_url = f"http://127.0.0.1:{free_port()}"
-        env["HSX_API_URL"] = api_url
         # The API's /verify checks the first engine; each worker is colocated with its own engine.
-        api = stack.start(
-            "api", hsx_command("api", "--port", api_url.rsplit(":", 1)[1]), {**env, "HSX_ENGINE_URL": urls[0]}
-        )
-        wait_http(f"{api_url}/healthz", 60, api)
+        api_url = _start(stack, "api", ["api"], {**env, "HSX_ENGINE_URL": urls[0]}, 60)
+        env["HSX_API_URL"] = api_url
         for i, url in enumerate(urls):
             stack.start(f"worker-{i}", hsx_command("worker"), {**env, "HSX_ENGINE_URL": url})
         token = get_settings().token()

@@ -2,11 +2,18 @@
 
 The points name the steps of writing a unit, so a test can prove that recovery from a crash at each of them
 gives the same output as an uninterrupted run.
+
+``HSX_HOLD_AT=<point>`` with ``HSX_HOLD_DIR=<dir>`` holds the process there instead, until the test lets it
+go: it writes ``<dir>/held-<pid>`` and waits for ``<dir>/release``. A test can then act on a state it has
+seen (which processes are there, holding what), rather than sample a moment and hope it came.
 """
 
 from __future__ import annotations
 
 import os
+import time
+
+HOLD_LOOK_SECONDS = 0.01
 
 POINTS = (
     "after_claim",
@@ -28,6 +35,8 @@ PUBLISH_POINTS = ("mid_publish",)
 
 def crash_point(name: str) -> None:
     assert name in POINTS or name in PUBLISH_POINTS or name in REGENERATE_POINTS, name
+    if os.environ.get("HSX_HOLD_AT") == name:
+        hold(os.environ["HSX_HOLD_DIR"])
     wanted = os.environ.get("HSX_CRASH_AT", "")
     if not wanted or wanted != name:
         return
@@ -40,3 +49,14 @@ def crash_point(name: str) -> None:
             return
         os.close(fd)
     os._exit(137)
+
+
+def hold(directory: str) -> None:
+    """Say this process is here (``held-<pid>``, written whole), then wait for the test's ``release``."""
+    marker = os.path.join(directory, f"held-{os.getpid()}")
+    with open(marker + ".tmp", "w") as fh:
+        fh.write(str(os.getppid()))
+    os.replace(marker + ".tmp", marker)
+    release = os.path.join(directory, "release")
+    while not os.path.exists(release):
+        time.sleep(HOLD_LOOK_SECONDS)

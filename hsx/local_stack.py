@@ -36,6 +36,18 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = N
     raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
 
 
+def wait_port_file(path: Path, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> int:
+    """The port a server started with ``--port 0 --port-file PATH`` bound (hsx/serving.py)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server writing {path} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no port in {path} within {timeout:.0f}s")
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
 def redis_reachable(url: str) -> bool:
     from redis import Redis
 
@@ -83,11 +95,13 @@ class LocalStack:
         self.procs.append((name, proc))
         return proc
 
-    def start_redis(self) -> str:
+    def start_redis(self, port: int | None = None) -> str:
+        """A Redis of its own, on ``port`` (default: a free one; redis-server cannot report a port it picked
+        itself)."""
         binary = redis_server_binary()
         if binary is None:
             raise RuntimeError("no Redis reachable and no redis-server to start: install redis-server")
-        port = free_port()
+        port = port or free_port()
         proc = self.start(
             "redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         )

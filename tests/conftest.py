@@ -18,6 +18,7 @@ pytest_plugins = [
     "tests.fixtures.stack",
     "tests.fixtures.synthetic",
     "tests.fixtures.s3",
+    "tests.fixtures.ports",
 ]
 
 PG_ADMIN_URL = os.environ.get("HSX_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test")

@@ -26,8 +26,8 @@ from hsx.cli_progress import (
     EXIT_SUCCEEDED,
     EXIT_UNREACHABLE,
 )
-from hsx.local_stack import free_port
 from tests.fixtures.live_server import serve_in_thread
+from tests.fixtures.ports import refused_port
 from tests.fixtures.stack import REPO, Stack
 
 SAMPLE = REPO / "tests" / "data" / "short_chats.jsonl"
@@ -186,7 +186,8 @@ def test_exit_codes_for_cancelled_failed_unknown_and_unreachable(stack: Stack, a
     unknown_json = hsx(stack, "watch", "no-such-job", "--json", "--api-url", api_url)
     assert unknown_json.returncode == EXIT_REFUSED
     assert json.loads(unknown_json.stdout)["error"] == "job_not_found"
-    nobody = hsx(stack, "jobs", "--api-url", f"http://127.0.0.1:{free_port()}")
+    with refused_port() as closed:
+        nobody = hsx(stack, "jobs", "--api-url", f"http://127.0.0.1:{closed}")
     assert nobody.returncode == EXIT_UNREACHABLE and "unreachable" in nobody.stderr
     refused = hsx(stack, "submit", "/etc/passwd", "--json", "--api-url", api_url)
     assert refused.returncode == EXIT_REFUSED and json.loads(refused.stdout)["error"] == "path_outside_roots"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.processes import kill_session
 from tests.fixtures.stack import Stack
 from tests.fixtures.synthetic import write_pretokenized
 
@@ -43,9 +44,8 @@ def console_worker(stack: Stack, *args: str) -> Iterator[subprocess.Popen[bytes]
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_session(proc.pid)  # the worker, the processes it forked and their horses, gone by pid
+        proc.wait()
         log.close()
 
 

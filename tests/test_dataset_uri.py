@@ -13,7 +13,6 @@ import shutil
 import ssl
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -564,9 +563,12 @@ def test_oversized_downloads_are_refused_and_cleaned_up(tree: Path, site: Loopba
 
 def test_failed_downloads(tree: Path, site: LoopbackSite) -> None:
     settings = make_settings(tree, http_timeout_seconds=0.5)
+    timed_out = threading.Event()
 
     def slow(handler: http.server.BaseHTTPRequestHandler) -> None:
-        time.sleep(2)
+        # Answers only once the client has given up (the test is over): its timeout runs out whatever the
+        # host's load, and no thread sleeps on after the test.
+        timed_out.wait(60)
         body(ROWS)(handler)
 
     site.routes["/slow"] = slow
@@ -577,8 +579,11 @@ def test_failed_downloads(tree: Path, site: LoopbackSite) -> None:
         handler.end_headers()
 
     site.routes["/nolocation"] = no_location
-    for path in ("/missing", "/slow", "/truncated", "/nolocation"):
-        assert download_refusal(site.url(path), settings, allow_loopback).error == "download_failed", path
+    try:
+        for path in ("/missing", "/slow", "/truncated", "/nolocation"):
+            assert download_refusal(site.url(path), settings, allow_loopback).error == "download_failed", path
+    finally:
+        timed_out.set()
     assert leftovers(settings) == []
 
 

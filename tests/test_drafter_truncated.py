@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.conftest import REDIS_URL
-from tests.fixtures.engine import _spawn, _stop, _wait_healthy
+from tests.fixtures.engine import _spawn, _stop, _wait_healthy, engine_url
 from tests.fixtures.stack import REPO, make_stack
 
 SCRIPT = REPO / "scripts" / "device" / "drafter" / "truncated.py"
@@ -89,8 +89,9 @@ def job_output(engine_nocache: Any, tmp_path_factory: pytest.TempPathFactory) ->
 def bf16_cache_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """A reference engine with the prefix cache on (no --disable-prefix-cache), bf16, its own dump dir."""
     workdir = tmp_path_factory.mktemp("truncated-engine")
-    process, url, dump_dir, log_path = _spawn(model_dir, workdir, "cache-bf16", ["--dtype", "bfloat16"])
+    process, port_file, dump_dir, log_path = _spawn(model_dir, workdir, "cache-bf16", ["--dtype", "bfloat16"])
     try:
+        url = engine_url(process, port_file, log_path)
         _wait_healthy(process, url, log_path)
         yield url, dump_dir
     finally:

@@ -15,6 +15,7 @@ the same files) run even where a trainer package is missing.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -28,9 +29,9 @@ from safetensors.torch import load_file
 
 from hsx.export import ExportError, ExportOptions, export_output
 from hsx.loader import TorchSample, iter_samples
-from hsx.local_stack import free_port
 from tests.conftest import REDIS_URL
-from tests.fixtures.engine import _stop, _wait_healthy
+from tests.fixtures.engine import _stop, _wait_healthy, engine_url
+from tests.fixtures.shared import once_per_session
 from tests.fixtures.stack import REPO, make_stack
 from tests.fixtures.warm_processes import start_hsx
 
@@ -70,23 +71,32 @@ def run_job(engine_url: str, tmp: Path) -> JobOutput:
     return JobOutput(Path(doc["output_dir"]), db_url, job["id"], engine_url)
 
 
+def engine_job_once(engine_nocache: Any, tmp_path_factory: pytest.TempPathFactory) -> JobOutput:
+    """The job of MULTI_TURN on the prefix-cache-free engine, run once per session whichever test process
+    asks first (tests/fixtures/shared.py): this module's reference job and tests/test_fp8_jobs.py's
+    engine-dtype job are the same job. Its output and job table are read from where it ran; the engine it
+    names is this process's own (the same model, the same flags), alive for as long as this process runs."""
+    job = once_per_session(tmp_path_factory, "engine-job", lambda tmp: run_job(engine_nocache.url, tmp))
+    return dataclasses.replace(job, engine_url=engine_nocache.url)
+
+
 @pytest.fixture(scope="module")
 def reference_job(engine_nocache: Any, tmp_path_factory: pytest.TempPathFactory) -> JobOutput:
-    return run_job(engine_nocache.url, tmp_path_factory.mktemp("reference-job"))
+    return engine_job_once(engine_nocache, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def synthetic_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     work = tmp_path_factory.mktemp("synthetic")
-    port = free_port()
     args = [
         "engine", "--backend", "synthetic", "--final-state", "both",
         "--hidden-size", str(SYNTHETIC_HIDDEN), "--num-layers", str(SYNTHETIC_LAYERS),
-        "--tokenizer", str(model_dir), "--port", str(port), "--dump-dir", str(work / "dumps"),
+        "--tokenizer", str(model_dir), "--port", "0", "--port-file", str(work / "port"),
+        "--dump-dir", str(work / "dumps"),
     ]  # fmt: skip
     process = start_hsx(args, dict(os.environ), work / "engine.log")
-    url = f"http://127.0.0.1:{port}"
     try:
+        url = engine_url(process, work / "port", work / "engine.log")
         _wait_healthy(process, url, work / "engine.log")
         yield url
     finally:

@@ -9,7 +9,6 @@ Faults that behave the same on both databases run on PostgreSQL only; the claim/
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import multiprocessing
 import os
@@ -30,12 +29,17 @@ import pytest
 
 from tests.conftest import REDIS_URL
 from tests.fixtures.jobs import running_job
+from tests.fixtures.kills import end_unit_lease, freeze_holding_a_lease, live_lease, owner_pid, units
+from tests.fixtures.ports import reserved_port
+from tests.fixtures.processes import children, gone, signal_pids, wait_gone
+from tests.fixtures.shared import once_per_session
 from tests.fixtures.stack import REPO, Stack, make_stack
 
 T = TypeVar("T")
 
-# Fast leases so that expiry, heartbeats and the reconciler act within seconds.
-FAST = {"lease_seconds": "3", "heartbeat_seconds": "0.5", "reconcile_seconds": "0.5"}
+# Heartbeats and the reconciler act within a second. Leases are the stack's, far longer than any test: a
+# lease ends when a test ends it (end_unit_lease), or when a worker finds its horse dead.
+FAST = {"heartbeat_seconds": "0.5", "reconcile_seconds": "0.5"}
 # The engine takes about half a second a sample on this CPU: few, short samples; every unit keeps some.
 SAMPLES = 12
 PER_SHARD = 3
@@ -143,38 +147,6 @@ def assert_same_output(got: Output, want: Output) -> None:
 # --- the job table, processes and waiting -----------------------------------------------------------------
 
 
-def units(db_url: str, job_id: str) -> list[dict[str, Any]]:
-    from sqlalchemy import select
-
-    from hsx.db.models import WorkUnit
-    from hsx.db.session import session_scope
-
-    with session_scope(db_url) as session:
-        rows = session.scalars(
-            select(WorkUnit).where(WorkUnit.job_id == job_id).order_by(WorkUnit.unit_index)
-        )
-        return [
-            {
-                "id": u.id,
-                "index": u.unit_index,
-                "state": u.state,
-                "attempt": u.attempt,
-                "owner": u.lease_owner,
-                "expires": u.lease_expires,
-                "samples_done": u.samples_done,
-                "samples_rejected": u.samples_rejected,
-            }
-            for u in rows
-        ]
-
-
-def owner_pid(owner: str) -> int:
-    """The process that holds a lease: owners are ``host:pid``, optionally followed by ``@engine``."""
-    host, _, pid = owner.split("@", 1)[0].rpartition(":")
-    assert host == socket.gethostname(), owner
-    return int(pid)
-
-
 def wait_until(check: Callable[[], T | None], timeout: float, what: str, stack: Stack | None = None) -> T:
     deadline = time.monotonic() + timeout
     while True:
@@ -186,95 +158,28 @@ def wait_until(check: Callable[[], T | None], timeout: float, what: str, stack: 
         time.sleep(0.05)
 
 
-def live_lease(db_url: str, job_id: str, pids: Callable[[], set[int]] | None = None) -> dict[str, Any] | None:
-    """A unit leased right now (by one of ``pids()`` when given)."""
-    now = time.time()
-    for u in units(db_url, job_id):
-        leased = u["state"] == "leased" and u["expires"] and u["expires"] > now
-        if leased and (pids is None or owner_pid(u["owner"]) in pids()):
-            return u
-    return None
+Pick = Callable[[dict[str, Any]], "set[int] | None"]
 
 
-def children(pid: int) -> set[int]:
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = (entry / "stat").read_text()
-                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                    found.add(int(entry.name))
-    return found
+def horse_of(worker: Any, exclude: frozenset[int] = frozenset()) -> Pick:
+    """For ``freeze_holding_a_lease``: a unit (not one of ``exclude``) leased by a horse of this worker
+    stops that horse alone."""
+
+    def pick(unit: dict[str, Any]) -> set[int] | None:
+        horse = owner_pid(unit["owner"])
+        return {horse} if unit["index"] not in exclude and horse in children(worker.pid) else None
+
+    return pick
 
 
-def gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state == "Z"
+def whole_worker(worker: Any) -> Pick:
+    """For ``freeze_holding_a_lease``: a unit leased by a horse of this worker stops the worker, its
+    reconciler and its horse (the worker's whole session)."""
 
+    def pick(unit: dict[str, Any]) -> set[int] | None:
+        return {worker.pid} if owner_pid(unit["owner"]) in children(worker.pid) else None
 
-def signal_groups(pgids: set[int], sig: int) -> None:
-    for pgid in pgids:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, sig)
-
-
-def busy_connections(db_url: str) -> int:
-    """PostgreSQL sessions of this database inside a transaction (a frozen one would hold row locks)."""
-    from sqlalchemy import text
-
-    from hsx.db.session import engine_for
-
-    with engine_for(db_url).connect() as conn:
-        return int(
-            conn.execute(
-                text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND pid <> pg_backend_pid() AND state IS NOT NULL AND state <> 'idle'"
-                )
-            ).scalar_one()
-        )
-
-
-def freeze_holding_a_lease(
-    stack: Stack,
-    job_id: str,
-    worker: subprocess.Popen[bytes],
-    horse_only: bool = False,
-    exclude: frozenset[int] = frozenset(),
-) -> tuple[dict[str, Any], set[int]]:
-    """SIGSTOP a worker (or only its horse) at a moment its horse holds a live lease on a unit (not one of
-    ``exclude``) and has no database transaction open. Returns that unit and the stopped process groups."""
-    db_url = stack.env["HSX_DATABASE_URL"]
-
-    def holding() -> dict[str, Any] | None:
-        u = live_lease(db_url, job_id, lambda: children(worker.pid))
-        return u if u is not None and u["index"] not in exclude else None
-
-    for _ in range(100):
-        held = wait_until(holding, 120, "a lease", stack)
-        horse = owner_pid(held["owner"])
-        groups = {horse} if horse_only else {worker.pid, horse}
-        signal_groups(groups, signal.SIGSTOP)
-        now = units(db_url, job_id)[held["index"]]
-        # A stopped process's transaction would stay open; one seen closed is some running process's.
-        idle = any(busy_connections(db_url) == 0 or _pause(0.05) for _ in range(20))
-        if now["state"] == "leased" and now["attempt"] == held["attempt"] and idle:
-            return held, groups
-        signal_groups(groups, signal.SIGCONT)  # caught committing; try again
-        time.sleep(0.1)
-    raise AssertionError("never caught the worker holding a lease outside a transaction")
-
-
-def _pause(seconds: float) -> bool:
-    time.sleep(seconds)
-    return False
-
-
-def all_gone(pids: set[int]) -> bool:
-    return all(gone(pid) for pid in pids)
+    return pick
 
 
 def full_logs(stack: Stack) -> str:
@@ -295,9 +200,7 @@ def running(stack: Stack) -> Iterator[Stack]:
     try:
         yield stack
     finally:
-        for worker in stack.workers:  # horses run in process groups of their own
-            signal_groups(children(worker.pid), signal.SIGKILL)
-        stack.stop_workers()
+        stack.stop_workers()  # every worker and horse it started, gone by pid
         from hsx.settings import get_settings
 
         get_settings.cache_clear()
@@ -333,11 +236,15 @@ def uninterrupted_output(engine: Any, tmp: Path, dataset: Path, total: int, per_
 
 @pytest.fixture(scope="module")
 def baseline(engine_nocache: Any, tmp_path_factory: pytest.TempPathFactory) -> Output:
-    """The output of an uninterrupted run of the fault tests' dataset."""
-    tmp = tmp_path_factory.mktemp("baseline")
-    out = uninterrupted_output(
-        engine_nocache, tmp, write_chats(tmp / "chats.jsonl", SAMPLES), SAMPLES, PER_SHARD
-    )
+    """The output of an uninterrupted run of the fault tests' dataset: one run per session, read by every
+    test process (tests/fixtures/shared.py); each process's engine is the same model with the same flags."""
+
+    def run(tmp: Path) -> Output:
+        return uninterrupted_output(
+            engine_nocache, tmp, write_chats(tmp / "chats.jsonl", SAMPLES), SAMPLES, PER_SHARD
+        )
+
+    out = once_per_session(tmp_path_factory, "faults-baseline", run)
     assert out.rejected == {
         **dict.fromkeys(MALFORMED, "malformed_json"),
         **dict.fromkeys(NO_ANSWER, "no_assistant_turn"),
@@ -359,12 +266,11 @@ def test_killed_work_horse_unit_is_retried_and_output_is_identical(fast: Stack, 
     job_id = submit(fast)
     killed: dict[int, int] = {}
     while len(killed) < 2:  # two units lose their horse while it holds their lease
-        held, groups = freeze_holding_a_lease(
-            fast, job_id, worker, horse_only=True, exclude=frozenset(killed)
-        )
-        signal_groups(groups, signal.SIGKILL)
+        pick = horse_of(worker, exclude=frozenset(killed))
+        held, frozen = freeze_holding_a_lease(db_url, job_id, pick, describe=fast.logs)
+        signal_pids(frozen, signal.SIGKILL)
         killed[held["index"]] = held["attempt"]
-        wait_until(functools.partial(all_gone, groups), 30, "the horse to die")
+        wait_gone(frozen)
     doc = fast.wait(job_id, timeout=180)
     assert_same_output(assert_exactly_once(fast, doc, SAMPLES), baseline)
     attempts = {u["index"]: u["attempt"] for u in units(db_url, job_id)}
@@ -381,17 +287,18 @@ def test_lost_worker_lease_expires_and_another_worker_finishes(fast: Stack, base
     db_url = fast.env["HSX_DATABASE_URL"]
     first = fast.start_worker()
     job_id = submit(fast)
-    held, groups = freeze_holding_a_lease(fast, job_id, first)
-    signal_groups(groups, signal.SIGKILL)  # the worker, its reconciler and its horse, all at once
+    held, frozen = freeze_holding_a_lease(db_url, job_id, whole_worker(first), describe=fast.logs)
+    signal_pids(frozen, signal.SIGKILL)  # the worker, its reconciler and its horse, all at once
     first.wait(30)
-    wait_until(functools.partial(all_gone, groups), 30, "the worker's processes to die")
+    wait_gone(frozen)
     stuck = units(db_url, job_id)[held["index"]]
     assert (stuck["state"], stuck["attempt"], stuck["owner"]) == ("leased", held["attempt"], held["owner"])
+    end_unit_lease(db_url, held)  # its time passes: nobody is left to renew it
     second = fast.start_worker()
     doc = fast.wait(job_id, timeout=180)
     assert_same_output(assert_exactly_once(fast, doc, SAMPLES), baseline)
     after = units(db_url, job_id)[held["index"]]
-    assert after["attempt"] > held["attempt"] and owner_pid(after["owner"]) not in groups
+    assert after["attempt"] > held["attempt"] and owner_pid(after["owner"]) not in frozen
     assert second.poll() is None
 
 
@@ -401,12 +308,13 @@ def test_lost_worker_lease_expires_and_another_worker_finishes(fast: Stack, base
 @postgres_only
 def test_frozen_worker_cannot_commit_after_its_lease_is_taken(fast: Stack, baseline: Output) -> None:
     db_url = fast.env["HSX_DATABASE_URL"]
-    frozen = fast.start_worker()
+    first = fast.start_worker()
     job_id = submit(fast)
-    held, groups = freeze_holding_a_lease(fast, job_id, frozen)
+    held, frozen = freeze_holding_a_lease(db_url, job_id, whole_worker(first), describe=fast.logs)
     try:
-        fast.start_worker()
         # The lease runs out while the holder sleeps; another attempt takes the unit and commits it.
+        end_unit_lease(db_url, held)
+        fast.start_worker()
         taken = wait_until(
             lambda: (u := units(db_url, job_id)[held["index"]])["state"] == "done" and u,
             120,
@@ -415,7 +323,7 @@ def test_frozen_worker_cannot_commit_after_its_lease_is_taken(fast: Stack, basel
         )
         assert taken["attempt"] > held["attempt"] and taken["owner"] != held["owner"]
     finally:
-        signal_groups(groups, signal.SIGCONT)
+        signal_pids(frozen, signal.SIGCONT)
     horse = owner_pid(held["owner"])
     wait_until(lambda: gone(horse), 60, "the frozen horse to finish", fast)
     doc = fast.wait(job_id, timeout=180)
@@ -435,7 +343,12 @@ def test_frozen_worker_cannot_commit_after_its_lease_is_taken(fast: Stack, basel
 
 @postgres_only
 def test_redis_wiped_mid_job_loses_nothing(
-    db_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, baseline: Output
+    db_url: str,
+    engine_nocache: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    baseline: Output,
+    kept_port: int,
 ) -> None:
     from hsx.local_stack import LocalStack, redis_reachable, redis_server_binary
 
@@ -443,7 +356,8 @@ def test_redis_wiped_mid_job_loses_nothing(
         pytest.skip("no redis-server binary to run a private Redis")
     private = LocalStack(tmp_path / "redis")
     try:
-        url = private.start_redis()  # never the shared server: this one is killed
+        # Never the shared server: this one is killed, and started again on its port (kept for it).
+        url = private.start_redis(kept_port)
         port = url.rsplit(":", 1)[1].split("/")[0]
         with running(fast_stack(db_url, url, engine_nocache, tmp_path, monkeypatch)) as s:
             s.start_worker()
@@ -460,11 +374,12 @@ def test_redis_wiped_mid_job_loses_nothing(
             redis_proc.wait(10)
             before = s.job(job_id)["progress"]["units_done"]
             assert s.job(job_id)["state"] == "running"
-            # Down long enough that a horse finishes its unit (and its worker reports it) without Redis.
+            # Down until a horse has finished its unit without Redis and its worker, reporting it, has met
+            # the outage (its work loop ends on the Redis error, to start again once Redis answers).
             wait_until(
                 lambda: s.job(job_id)["progress"]["units_done"] > before, 120, "a unit without Redis", s
             )
-            time.sleep(3)
+            wait_until(lambda: "worker loop ended" in full_logs(s), 120, "a worker to meet the outage", s)
             binary = redis_server_binary()
             assert binary is not None
             private.start(
@@ -484,14 +399,18 @@ def test_redis_wiped_mid_job_loses_nothing(
 
 @contextlib.contextmanager
 def private_postgres() -> Iterator[tuple[str, dict[str, str]]]:
-    """A PostgreSQL of this test's own (the embedded one of scripts/embedded_services.py, on a free port),
-    so that restarting it cuts no other test's connections when the tests run in parallel."""
-    from hsx.local_stack import free_port
+    """A PostgreSQL of this test's own (the embedded one of scripts/embedded_services.py, on a port kept
+    for it: it comes back on that port after its restart), so that restarting it cuts no other test's
+    connections when the tests run in parallel."""
+    with reserved_port() as port:
+        yield from _private_postgres(port)
 
+
+def _private_postgres(port: int) -> Iterator[tuple[str, dict[str, str]]]:
     # Not under pytest's tmp_path: as root PostgreSQL runs as nobody, who must reach the folder.
     folder = Path(tempfile.mkdtemp(prefix="hsx-pg-restart-"))
     folder.chmod(0o755)
-    admin = f"postgresql://postgres@127.0.0.1:{free_port()}/test"
+    admin = f"postgresql://postgres@127.0.0.1:{port}/test"
     env = {**os.environ, "HSX_SERVICES_DIR": str(folder), "HSX_TEST_PG_ADMIN_URL": admin}
     env["HSX_TEST_REDIS_URL"] = REDIS_URL
     script = [sys.executable, str(REPO / "scripts" / "embedded_services.py")]
@@ -723,9 +642,14 @@ def test_a_crash_at_each_step_recovers_to_the_same_output(
 
 # --- 8. many claimers, one unit each ---------------------------------------------------------------------
 
+LONG_LEASE_SECONDS = 3600.0  # no lease runs out on its own: a stalled claimer's is ended by the test
 
-def _claimer(db_url: str, job_id: str, lease: float, stall: float, marks: str, results: Any) -> None:
+
+def _claimer(db_url: str, job_id: str, stall: bool, marks: str, results: Any) -> None:
     """A worker stripped to the lease protocol: claim, (maybe stall past the lease), commit fenced."""
+    from sqlalchemy import update
+
+    from hsx.db.models import WorkUnit
     from hsx.db.session import session_scope
     from hsx.jobs import repository as repo
 
@@ -734,12 +658,19 @@ def _claimer(db_url: str, job_id: str, lease: float, stall: float, marks: str, r
     claims = 0
     while True:
         with session_scope(db_url) as session:
-            unit = repo.claim_unit(session, job_id, owner, lease, time.time())
+            unit = repo.claim_unit(session, job_id, owner, LONG_LEASE_SECONDS, time.time())
         if unit is None:
             break
         claims += 1
         if stall and claims % 3 == 1:
-            time.sleep(stall)  # frozen past the lease: this commit must be refused
+            # Frozen past the lease: its time runs out before this commit, which must be refused. The test
+            # ends it (the clock is not asked to), so no other claimer's lease can run out on a slow host.
+            with session_scope(db_url) as session:
+                session.execute(
+                    update(WorkUnit)
+                    .where(WorkUnit.id == unit.id, WorkUnit.attempt == unit.attempt)
+                    .values(lease_expires=time.time() - 1)
+                )
 
         def place(index: int = unit.unit_index) -> None:
             fd = os.open(os.path.join(marks, f"unit-{index}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -754,7 +685,7 @@ def _claimer(db_url: str, job_id: str, lease: float, stall: float, marks: str, r
     results.put((os.getpid(), done))
 
 
-def _race(db_url: str, tmp_path: Path, lease: float, stall: float) -> tuple[str, list[tuple[int, int, bool]]]:
+def _race(db_url: str, tmp_path: Path, stall: bool) -> tuple[str, list[tuple[int, int, bool]]]:
     from hsx.db.session import session_scope
     from hsx.jobs import repository as repo
 
@@ -765,8 +696,7 @@ def _race(db_url: str, tmp_path: Path, lease: float, stall: float) -> tuple[str,
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_claimer, args=(db_url, job_id, lease, stall, str(marks), results))
-        for _ in range(8)
+        ctx.Process(target=_claimer, args=(db_url, job_id, stall, str(marks), results)) for _ in range(8)
     ]
     for p in procs:
         p.start()
@@ -804,7 +734,7 @@ def _race(db_url: str, tmp_path: Path, lease: float, stall: float) -> tuple[str,
 
 
 def test_eight_claimers_fifty_units_each_processed_once(db_url: str, tmp_path: Path) -> None:
-    job_id, outcomes = _race(db_url, tmp_path, lease=120, stall=0)
+    job_id, outcomes = _race(db_url, tmp_path, stall=False)
     assert len(outcomes) == 50 and all(ok for *_, ok in outcomes)
     assert [u["attempt"] for u in units(db_url, job_id)] == [1] * 50
 
@@ -812,7 +742,7 @@ def test_eight_claimers_fifty_units_each_processed_once(db_url: str, tmp_path: P
 def test_stalled_claimers_lose_their_units_and_nothing_is_committed_twice(
     db_url: str, tmp_path: Path
 ) -> None:
-    job_id, outcomes = _race(db_url, tmp_path, lease=0.5, stall=0.75)
+    job_id, outcomes = _race(db_url, tmp_path, stall=True)
     refused = [(i, a) for i, a, ok in outcomes if not ok]
     assert refused, "stalled claimers must have been refused"
     rows = {u["index"]: u for u in units(db_url, job_id)}
@@ -825,8 +755,8 @@ def test_stalled_claimers_lose_their_units_and_nothing_is_committed_twice(
 def test_real_workers_process_each_unit_once(
     db_url: str, redis_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Leases far longer than any unit: no lease can lapse, so every unit must be claimed exactly once.
-    stack = fast_stack(db_url, redis_url, engine_nocache, tmp_path, monkeypatch, lease_seconds="60")
+    # No lease can lapse (the stack's are far longer than any test), so every unit is claimed exactly once.
+    stack = fast_stack(db_url, redis_url, engine_nocache, tmp_path, monkeypatch)
     with running(stack) as s:
         for _ in range(3):
             s.start_worker()

@@ -3,6 +3,7 @@ DataLoader, compared with an engine-dtype job of the same data, and exported to 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,15 @@ from hsx.export import export_output
 from hsx.loader import iter_samples
 from hsx.torch_data import OutputDataset, collate_samples
 from tests.conftest import REDIS_URL
+from tests.fixtures.shared import once_per_session
 from tests.fixtures.stack import make_stack
-from tests.test_export_trainers import MULTI_TURN, SYNTHETIC_HIDDEN, JobOutput, synthetic_engine
+from tests.test_export_trainers import (
+    MULTI_TURN,
+    SYNTHETIC_HIDDEN,
+    JobOutput,
+    engine_job_once,
+    synthetic_engine,
+)
 
 __all__ = ["synthetic_engine"]  # a fixture of tests/test_export_trainers.py, used here too
 
@@ -45,12 +53,17 @@ def run_job(engine_url: str, tmp: Path, **options: Any) -> JobOutput:
 
 @pytest.fixture(scope="module")
 def fp8_job(engine_nocache: Any, tmp_path_factory: pytest.TempPathFactory) -> JobOutput:
-    return run_job(engine_nocache.url, tmp_path_factory.mktemp("fp8-job"), state_dtype="fp8_e4m3")
+    """Run once per session, whichever test process asks first (tests/fixtures/shared.py)."""
+    job = once_per_session(
+        tmp_path_factory, "fp8-job", lambda tmp: run_job(engine_nocache.url, tmp, state_dtype="fp8_e4m3")
+    )
+    return dataclasses.replace(job, engine_url=engine_nocache.url)
 
 
 @pytest.fixture(scope="module")
 def engine_job(engine_nocache: Any, tmp_path_factory: pytest.TempPathFactory) -> JobOutput:
-    return run_job(engine_nocache.url, tmp_path_factory.mktemp("engine-job"))
+    """The engine-dtype job: tests/test_export_trainers.py's reference job, the same job, run once."""
+    return engine_job_once(engine_nocache, tmp_path_factory)
 
 
 def _bytes(job: JobOutput) -> int:

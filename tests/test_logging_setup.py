@@ -10,14 +10,14 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
-from hsx.local_stack import free_port, wait_http
+from hsx.local_stack import wait_http, wait_port_file
 from hsx.logging_setup import ContextFilter, Redactor, StructuredFormatter, log_context
 from tests.fixtures.stack import REPO
 
@@ -108,8 +108,8 @@ def test_text_format_is_key_value(capture: tuple[logging.Logger, io.StringIO]) -
     assert line.endswith('hello job_id=j-3 unit=1 attempt=1 rid="r 1"'), line
 
 
-def test_the_api_logs_json_lines_without_the_token(tmp_path: object) -> None:
-    port = free_port()
+def test_the_api_logs_json_lines_without_the_token(tmp_path: Path) -> None:
+    port_file = tmp_path / "port"
     env = {
         **os.environ,
         "HSX_LOG_FORMAT": "json",
@@ -118,7 +118,7 @@ def test_the_api_logs_json_lines_without_the_token(tmp_path: object) -> None:
         "HSX_DATABASE_URL": f"sqlite:///{tmp_path}/x.sqlite3",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hsx.cli", "api", "--port", str(port)],
+        [sys.executable, "-m", "hsx.cli", "api", "--port", "0", "--port-file", str(port_file)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -126,10 +126,12 @@ def test_the_api_logs_json_lines_without_the_token(tmp_path: object) -> None:
         text=True,
     )
     try:
+        port = wait_port_file(port_file, 60, proc)  # type: ignore[arg-type] # text mode
         wait_http(f"http://127.0.0.1:{port}/healthz", 60, proc)  # type: ignore[arg-type]
         httpx.get(f"http://127.0.0.1:{port}/jobs", headers={"Authorization": f"Bearer {TOKEN}"})
+        # uvicorn logs a request's access line before it sends the response, through a handler that
+        # flushes each record: both lines are in the pipe by the time the calls return.
         httpx.get(f"http://127.0.0.1:{port}/jobs?token={TOKEN}")
-        time.sleep(0.3)
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=20)

@@ -159,35 +159,37 @@ def test_telemetry_never_raises_and_keeps_totals_while_redis_is_away(redis_url: 
     from redis import Redis
 
     from hsx import telemetry
-    from hsx.local_stack import free_port
+    from tests.fixtures.ports import refused_port
 
     namespace = f"hsx-test-{uuid.uuid4().hex[:10]}"
-    telemetry.configure(f"redis://127.0.0.1:{free_port()}/0", namespace)  # nothing listens there
-    try:
-        telemetry.bytes_written(100)
-        started = time.monotonic()
-        assert telemetry.flush() is False
-        assert time.monotonic() - started < 5
-        telemetry.bytes_written(20)
-        telemetry.configure(redis_url, namespace)
-        assert telemetry.flush() is True
-        pushed = telemetry.read_all(Redis.from_url(redis_url), namespace)
-        assert pushed["hsx_bytes_written"] == {"value": 120.0}
-    finally:
-        telemetry.configure(None, None)
+    with refused_port() as closed:
+        telemetry.configure(f"redis://127.0.0.1:{closed}/0", namespace)  # nothing listens there
+        try:
+            telemetry.bytes_written(100)
+            started = time.monotonic()
+            assert telemetry.flush() is False
+            assert time.monotonic() - started < 5
+            telemetry.bytes_written(20)
+            telemetry.configure(redis_url, namespace)
+            assert telemetry.flush() is True
+            pushed = telemetry.read_all(Redis.from_url(redis_url), namespace)
+            assert pushed["hsx_bytes_written"] == {"value": 120.0}
+        finally:
+            telemetry.configure(None, None)
 
 
 @postgres_only
 def test_scrape_reports_an_unreachable_redis_and_still_shows_the_job_table(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hsx.local_stack import free_port
     from hsx.settings import get_settings
+    from tests.fixtures.ports import refused_port
 
     stack.submit(SAMPLE)
-    monkeypatch.setenv("HSX_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
-    get_settings.cache_clear()
-    m = scrape(stack)
+    with refused_port() as closed:
+        monkeypatch.setenv("HSX_REDIS_URL", f"redis://127.0.0.1:{closed}/0")
+        get_settings.cache_clear()
+        m = scrape(stack)
     assert value(m, "hsx_scrape_error", source="redis") == 1
     assert value(m, "hsx_scrape_error", source="database") == 0
     assert value(m, "hsx_jobs", state="queued") == 1

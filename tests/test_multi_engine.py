@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures.engine import _spawn, _stop, _wait_healthy
+from tests.fixtures.engine import _spawn, _stop, _wait_healthy, engine_url
 from tests.fixtures.stack import REPO, make_stack
 
 SAMPLE = REPO / "tests" / "data" / "short_chats.jsonl"
@@ -17,8 +17,9 @@ SAMPLE = REPO / "tests" / "data" / "short_chats.jsonl"
 
 @pytest.fixture
 def second_engine(model_dir: Path, tmp_path: Path) -> Iterator[str]:
-    process, url, _dump_dir, log_path = _spawn(model_dir, tmp_path, "second", ["--disable-prefix-cache"])
+    process, port_file, _dumps, log_path = _spawn(model_dir, tmp_path, "second", ["--disable-prefix-cache"])
     try:
+        url = engine_url(process, port_file, log_path)
         _wait_healthy(process, url, log_path)
         yield url
     finally:

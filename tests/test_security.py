@@ -297,20 +297,20 @@ def test_forwarded_requests_are_not_local_unless_proxies_are_trusted(serve: Call
 
 
 def test_hsx_api_ignores_forwarded_headers_by_default(tmp_path: Path) -> None:
-    from hsx.local_stack import free_port
+    from hsx.local_stack import wait_port_file
 
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
     env["HSX_DATABASE_URL"] = f"sqlite:///{tmp_path / 'unmigrated.sqlite3'}"
+    port_file = tmp_path / "port"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hsx.cli", "api", "--port", str(port)],
+        [sys.executable, "-m", "hsx.cli", "api", "--port", "0", "--port-file", str(port_file)],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        base = f"http://127.0.0.1:{port}"
+        base = f"http://127.0.0.1:{wait_port_file(port_file, 60, proc)}"
         deadline = time.monotonic() + 60
         while True:
             try:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hsx import contract
+from tests.fixtures.shared import once_per_session
 from workers.engines.sglang.config import dump_tensor_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "device"))
@@ -28,13 +29,18 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [11, 12, 13], [40]]
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, dict[str, Any]]]:
-    """Every matrix architecture, tiny, with its reference states (made once per test module)."""
-    out = {}
-    for name in arch_models.ARCHS:
-        path = str(tmp_path_factory.mktemp(name))
-        arch_models.make_model(name, path, device="cpu", tiny=True)
-        out[name] = (path, arch_models.reference_states(path, name, PROMPTS, HF, "cpu"))
-    return out
+    """Every matrix architecture, tiny, with its reference states: made once per session, whichever test
+    process asks first (tests/fixtures/shared.py)."""
+
+    def build(work: Path) -> dict[str, tuple[str, dict[str, Any]]]:
+        out = {}
+        for name in arch_models.ARCHS:
+            path = str(work / name)
+            arch_models.make_model(name, path, device="cpu", tiny=True)
+            out[name] = (path, arch_models.reference_states(path, name, PROMPTS, HF, "cpu"))
+        return out
+
+    return once_per_session(tmp_path_factory, "sglang-arch-matrix", build)
 
 
 @pytest.mark.parametrize("name", arch_models.ARCHS)
@@ -167,33 +173,34 @@ def test_the_matrix_runs_end_to_end_with_the_reference_engine_in_place_of_sglang
     import subprocess
     import time
 
-    from hsx.local_stack import free_port
+    from tests.fixtures.ports import reserved_port
 
     out = tmp_path / "out"
     out.mkdir()
     script = Path(arch_matrix.__file__)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--out",
-            str(out),
-            "--deadline",
-            str(time.time() + 240),
-            "--archs",
-            "llama",
-            "--work",
-            str(tmp_path / "work"),
-            "--dump-root",
-            str(tmp_path / "dumps"),
-            "--base-port",
-            str(free_port()),
-            "--dry-run-cpu",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    with reserved_port() as port:  # one architecture: its server serves on the base port itself
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                "--out",
+                str(out),
+                "--deadline",
+                str(time.time() + 240),
+                "--archs",
+                "llama",
+                "--work",
+                str(tmp_path / "work"),
+                "--dump-root",
+                str(tmp_path / "dumps"),
+                "--base-port",
+                str(port),
+                "--dry-run-cpu",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=280,
+        )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads((out / "matrix.json").read_text())["llama"]
     assert res["status"] == "done", res

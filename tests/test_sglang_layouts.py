@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from hsx import contract
+from tests.fixtures.shared import once_per_session
 from tests.sglang_layouts.harness import LAYOUTS, WORLD, Layout, server_args
 from tests.sglang_layouts.standin import LAYERS, reference_states
 from tests.sglang_layouts.workload import group_requests
@@ -74,7 +75,12 @@ class Run:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    out = tmp_path_factory.mktemp("layouts")
+    """The harness's run of every layout: once per session, whichever test process asks first
+    (tests/fixtures/shared.py)."""
+    return once_per_session(tmp_path_factory, "sglang-layouts", run_layouts)
+
+
+def run_layouts(out: Path) -> Run:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.sglang_layouts.harness", str(out)],
         cwd=REPO,

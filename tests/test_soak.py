@@ -1,5 +1,7 @@
-"""Soak: one job of 2,000 samples in 40 units, two workers, ten random kills (horses and whole workers, the
-whole workers replaced); every sample must end exactly once, read back from every shard.
+"""Soak: one job of 2,000 samples in 40 units, two workers, ten kills spread over the job (horses and whole
+workers, the whole workers replaced), each at a moment the test has observed and frozen (the killed horse
+holds a unit's lease and has no transaction open); every sample must end exactly once, read back from every
+shard.
 
 The CPU reference engine takes about half a second a prefill on this machine, so 2,000 engine-bound samples
 would take a quarter of an hour: four samples of each unit are real conversations (160 go through the
@@ -13,36 +15,23 @@ input ids still differ from each of their unit neighbours'.
 
 from __future__ import annotations
 
-import functools
 import json
-import random
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.test_faults import (
-    all_gone,
-    assert_exactly_once,
-    children,
-    fast_stack,
-    live_lease,
-    owner_pid,
-    running,
-    signal_groups,
-    uninterrupted_output,
-    units,
-    wait_until,
-)
+from tests.fixtures.kills import end_unit_lease, freeze_holding_a_lease, owner_pid, units
+from tests.fixtures.processes import children, signal_pids, wait_gone
+from tests.test_faults import assert_exactly_once, fast_stack, running, uninterrupted_output, wait_until
 
 TOTAL = 2000
 PER_SHARD = 50
 REAL = (0, 13, 26, 39)  # positions in each unit of the conversations that reach the engine
 CONVERSATIONS = 16  # distinct real conversations, cycled through the real positions
-KILLS = 10
+KILLS = 10  # spread over the job by the units done before each
 WHOLE_WORKER_KILLS = {2, 5, 8}  # these kills take the whole worker (then replaced), the others its horse
 
 
@@ -93,28 +82,35 @@ def test_soak_two_thousand_samples_ten_kills_nothing_lost_or_doubled(
     }
     real = {i for i in range(TOTAL) if i % PER_SHARD in REAL}
     assert set(expected_rejections) == set(range(TOTAL)) - real
-    rng = random.Random(20240601)
     with running(fast_stack(db_url, redis_url, engine_nocache, tmp_path, monkeypatch)) as s:
         workers = [s.start_worker(), s.start_worker()]
         job_id = str(s.submit(dataset, samples_per_shard=PER_SHARD)["id"])
         kills: list[tuple[str, int, int]] = []
-        while len(kills) < KILLS:
-            time.sleep(rng.uniform(0.5, 3.0))
-            held = wait_until(lambda: live_lease(db_url, job_id), 120, "a unit in progress", s)
-            horse = owner_pid(held["owner"])
-            worker = next((w for w in workers if horse in children(w.pid)), None)
-            whole = worker is not None and len(kills) in WHOLE_WORKER_KILLS  # else only the horse
-            groups = {horse, *([worker.pid] if whole and worker is not None else [])}
-            signal_groups(groups, signal.SIGSTOP)
-            now = units(db_url, job_id)[held["index"]]
-            if (now["state"], now["attempt"], now["owner"]) != ("leased", held["attempt"], held["owner"]):
-                signal_groups(groups, signal.SIGCONT)  # it committed meanwhile: pick another moment
-                continue
-            signal_groups(groups, signal.SIGKILL)
-            wait_until(functools.partial(all_gone, groups), 30, "the killed processes to go")
-            if whole and worker is not None:
-                worker.wait(30)
-                workers = [w for w in workers if w is not worker] + [s.start_worker()]
+        for number in range(KILLS):
+            whole = number in WHOLE_WORKER_KILLS  # else only the horse
+            # Spread over the job: the kill comes at the first unit held once this many units are done.
+            units_done = number * (TOTAL // PER_SHARD) // KILLS
+            wait_until(
+                lambda done=units_done: s.job(job_id)["progress"]["units_done"] >= done, 300, "the units", s
+            )
+
+            def pick(unit: dict[str, Any], whole: bool = whole) -> set[int] | None:
+                horse = owner_pid(unit["owner"])
+                worker = next((w for w in workers if horse in children(w.pid)), None)
+                if worker is None:
+                    return None
+                return {worker.pid} if whole else {horse}  # a worker stands for its session, horse included
+
+            held, frozen = freeze_holding_a_lease(db_url, job_id, pick, describe=s.logs)
+            signal_pids(frozen, signal.SIGKILL)
+            wait_gone(frozen)
+            if whole:
+                killed = next(w for w in workers if w.pid in frozen)
+                killed.wait(30)
+                # Nobody is left to renew or release its lease: its time passes (the test says when).
+                end_unit_lease(db_url, held)
+                workers.remove(killed)
+                workers.append(s.start_worker())
             kills.append(("worker" if whole else "horse", held["index"], held["attempt"]))
         doc = s.wait(job_id, timeout=300)
         out = assert_exactly_once(s, doc, TOTAL)

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -30,31 +28,14 @@ from typing import Any
 import pytest
 import torch
 
-from hsx.local_stack import LocalStack, free_port, hsx_command, redis_server_binary, wait_http
+from hsx.local_stack import LocalStack, hsx_command, redis_server_binary, wait_http, wait_port_file
+from tests.fixtures.ports import reserved_ports
+from tests.test_specforge_stream import MOONCAKE_MISSING
 
 REPO = Path(__file__).resolve().parents[1]
 STREAMED = REPO / "scripts" / "device" / "drafter" / "streamed.sh"
 PROMPTS, EPOCHS, BATCH = 3, 2, 1
 TOTAL_STEPS = PROMPTS * EPOCHS // BATCH
-
-
-def _port_base(count: int = 6) -> int:
-    """``count`` consecutive free ports (streamed.sh takes six from PORT_BASE)."""
-    for _ in range(200):
-        base = random.randrange(20000, 60000 - count)
-        try:
-            socks = []
-            for port in range(base, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no run of free ports")
 
 
 def _target_dir(tmp: Path) -> Path:
@@ -103,10 +84,11 @@ def _inputs(tmp: Path) -> dict[str, str]:
 @pytest.fixture
 def bf16_engine(tmp_path: Path) -> Iterator[str]:
     stack = LocalStack(tmp_path / "engine-logs")
-    port = free_port()
-    cmd = hsx_command("engine", "--backend", "reference", "--port", str(port), "--disable-prefix-cache")
+    port_file = tmp_path / "engine.port"
+    cmd = hsx_command("engine", "--backend", "reference", "--port", "0", "--port-file", str(port_file))
     try:
-        proc = stack.start("engine", [*cmd, "--dtype", "bfloat16"])
+        proc = stack.start("engine", [*cmd, "--disable-prefix-cache", "--dtype", "bfloat16"])
+        port = wait_port_file(port_file, 300, proc)
         wait_http(f"http://127.0.0.1:{port}/health", 300, proc)
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -129,8 +111,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.fixture
+def port_base() -> Iterator[int]:
+    """Six ports in a row, this test's (streamed.sh takes Redis, API, Mooncake's three and the trainer's from
+    PORT_BASE): below the ephemeral range, so no outgoing connection takes one meanwhile."""
+    with reserved_ports(6) as base:
+        yield base
+
+
+# SpecForge's online consumer reads features only from Mooncake, which streamed.sh starts; where it cannot
+# load, the test skips as the Mooncake rows of tests/test_specforge_stream.py do (CI installs its libraries,
+# and a skip there fails the run).
+@pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=str(MOONCAKE_MISSING))
 def test_streamed_sh_runs_specforge_train_as_the_consumer_to_its_last_step(
-    tmp_path: Path, bf16_engine: str
+    tmp_path: Path, bf16_engine: str, port_base: int
 ) -> None:
     redis = redis_server_binary()
     assert redis is not None, "no redis-server (the services extra ships one)"
@@ -147,7 +141,7 @@ def test_streamed_sh_runs_specforge_train_as_the_consumer_to_its_last_step(
         "MAXLEN": "256",
         "SEED": "42",
         "CAP_FRACTION": "0.3",
-        "PORT_BASE": str(_port_base()),
+        "PORT_BASE": str(port_base),
         "SHARD": "1",
         "LOG_INTERVAL": "2",
         "PY": sys.executable,

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tests.fixtures.live_server import serve_in_thread
+from tests.fixtures.ports import reserved_port
 from tests.fixtures.stack import REPO, TEST_TOKEN, Stack
 from tests.fixtures.synthetic import write_pretokenized
 
@@ -73,6 +74,16 @@ class FeederThread:
             else (lambda: self.feeder.channel.appended >= stop_after),
             sink=sink,
         )
+        # Passes of the feeder's loop that found its window full (it asks the job whether it broke instead
+        # of leasing): after one, a feeder that would go past its window has had its chance to.
+        self.full_window_passes = 0
+        ended = self.feeder._ended
+
+        def counted() -> str | None:
+            self.full_window_passes += 1
+            return ended()
+
+        self.feeder._ended = counted  # type: ignore[method-assign]
         self.result: Any = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -155,13 +166,16 @@ def records(path: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def mooncake_master(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """A real mooncake_master on loopback ports, its HTTP metadata server inside (no etcd)."""
+    """A real mooncake_master on loopback ports kept for it (it cannot bind port 0 and say which it got),
+    its HTTP metadata server inside (no etcd)."""
+    with reserved_port() as rpc, reserved_port() as http, reserved_port() as metrics:
+        yield from _mooncake_master(tmp_path, rpc, http, metrics)
+
+
+def _mooncake_master(tmp_path: Path, rpc: int, http: int, metrics: int) -> Iterator[dict[str, Any]]:
     import mooncake
 
-    from hsx.local_stack import free_port
-
     binary = Path(mooncake.__file__).parent / "mooncake_master"
-    rpc, http, metrics = free_port(), free_port(), free_port()
     with open(tmp_path / "mooncake-master.log", "wb") as log:
         proc = subprocess.Popen(
             [
@@ -247,11 +261,10 @@ def test_specforge_reads_a_running_job_with_every_tensor_as_hsx_wrote_it(
     # its workers back, since that unacknowledged shard fills the cap.
     refs_file = tmp_path / "control" / "refs.jsonl"
     deadline = time.monotonic() + 240
-    while not refs_file.exists() or len(records(refs_file)) < 2:
+    while not feeder.full_window_passes:
         assert feeder.thread.is_alive(), feeder.error
         assert time.monotonic() < deadline, (stack.job(job_id), stack.logs())
-        time.sleep(0.2)
-    time.sleep(1.5)
+        time.sleep(0.05)
     assert len(records(refs_file)) == 2, "the feeder went past its window"
     assert stack.job(job_id)["stream"]["waiting_on_consumers"], stack.job(job_id)["stream"]
 

@@ -40,7 +40,7 @@ def proxy(s3_bucket: S3Bucket) -> Iterator[CuttableProxy]:
     try:
         yield store
     finally:
-        store.cut()
+        store.close()
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ def stack(
         get_settings.cache_clear()
 
 
-def namespaced_api(output: Path, view: str, port: int) -> list[str]:
+def namespaced_api(output: Path, view: str, port_file: Path) -> list[str]:
     """``hsx api`` in a mount namespace of its own, where ``output`` is read-only or hidden. The mounts
     are private to the namespace: the workers, in this one, see the output as it is."""
     from hsx.local_stack import hsx_command
@@ -56,7 +56,7 @@ def namespaced_api(output: Path, view: str, port: int) -> list[str]:
         mount = f"mount --bind {out} {out} && mount -o remount,bind,ro {out}"
     else:
         mount = f"mount -t tmpfs -o size=1m,mode=0555 hsx-elsewhere {out}"
-    api = shlex.join(hsx_command("api", "--port", str(port)))
+    api = shlex.join(hsx_command("api", "--port", "0", "--port-file", str(port_file)))
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f"{mount} && exec {api}"]
 
 
@@ -146,7 +146,7 @@ def can_unshare() -> bool:
 def test_a_consume_job_whose_api_cannot_write_or_see_the_output_streams_and_its_shards_go(
     stack: Stack, view: str
 ) -> None:
-    from hsx.local_stack import free_port, local_stack, wait_http
+    from hsx.local_stack import local_stack, wait_http, wait_port_file
 
     if not can_unshare():
         pytest.skip("needs `unshare --mount` (root, or CAP_SYS_ADMIN) to give the API its own view")
@@ -154,12 +154,12 @@ def test_a_consume_job_whose_api_cannot_write_or_see_the_output_streams_and_its_
     records = [json.loads(line) for line in dataset.read_text().splitlines()]
     output_root = Path(stack.env["HSX_OUTPUT_DIR"])
     output_root.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    api = f"http://127.0.0.1:{port}"
+    port_file = stack.tmp / "api-port"
     with local_stack(stack.tmp / "api-logs") as procs:
         proc = procs.start(
-            "api", namespaced_api(output_root, view, port), env={**stack.env, "PYTHONPATH": str(REPO)}
+            "api", namespaced_api(output_root, view, port_file), env={**stack.env, "PYTHONPATH": str(REPO)}
         )
+        api = f"http://127.0.0.1:{wait_port_file(port_file, 60, proc)}"
         wait_http(f"{api}/healthz", 60, proc)
         http = httpx.Client(base_url=api, timeout=30, headers={"Authorization": f"Bearer {TEST_TOKEN}"})
         unit = 2 * TOKENS * 4 * 32 * 2 * PER_SHARD // 2  # a shard's states, roughly: to scale the cap by

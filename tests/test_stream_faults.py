@@ -28,7 +28,9 @@ from typing import Any
 import pytest
 
 from hsx.local_stack import LocalStack, local_stack
+from tests.fixtures.kills import end_lease, end_unit_lease, freeze_holding_a_lease, units
 from tests.fixtures.live_server import serve_in_thread
+from tests.fixtures.processes import kill_session, signal_pids, wait_gone
 from tests.fixtures.sample_records import read_records, record_of_sample
 from tests.fixtures.stack import REPO, TEST_TOKEN, Stack, make_stack
 from tests.fixtures.synthetic import Engines, Synthetic, write_pretokenized
@@ -114,9 +116,8 @@ def trainers(
         yield procs
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            kill_session(proc.pid)  # with any loader process it started, gone by pid
+            proc.wait()
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str, stack: Stack) -> None:
@@ -176,20 +177,6 @@ def assert_samples_as_written(stack: Stack, *records: Path) -> None:
         assert record == reference[index], f"sample {index} differs from the uninterrupted run's"
 
 
-def end_lease(db_url: str, table: Any, row_id: int, **match: Any) -> None:
-    """The lease on a row (a work unit or a stream item) runs out now: the test decides when, instead of
-    waiting for a time it guesses."""
-    from sqlalchemy import update
-
-    from hsx.db.session import session_scope
-
-    condition = [table.id == row_id, table.lease_expires.is_not(None)]
-    condition += [getattr(table, name) == value for name, value in match.items()]
-    with session_scope(db_url) as session:
-        ended = session.execute(update(table).where(*condition).values(lease_expires=time.time() - 1))
-        assert ended.rowcount == 1, (table, row_id, match)  # type: ignore[attr-defined]
-
-
 def test_a_consumer_killed_holding_a_lease_loses_nothing_and_repeats_nothing(
     synth: tuple[Stack, Synthetic],
 ) -> None:
@@ -232,43 +219,21 @@ def shards_on_disk(doc: dict[str, Any]) -> list[Path]:
 
 
 def kill_a_worker_whose_horse_holds_a_lease(stack: Stack, job_id: str, worker: Any) -> dict[str, Any]:
-    """SIGKILL a worker and its work horse (a process group of its own, which RQ gives it) at a moment the
-    horse holds a unit's lease: both are stopped first, and killed only if the unit is still leased to that
-    attempt and no transaction is open (else the horse was committing, and they go on). Returns the unit as
-    it was leased."""
-    from tests.test_faults import (
-        _pause,
-        all_gone,
-        busy_connections,
-        live_lease,
-        owner_pid,
-        signal_groups,
-        units,
-    )
-    from tests.test_faults import wait_until as wait_for
+    """SIGKILL a worker and its work horse at a moment the horse holds a unit's lease: the worker's session
+    (the horse is in it) is stopped, its database sessions settle (a COMMIT in flight lands), and only then
+    is the unit read; if it is still that attempt's lease they are killed, else they go on and another
+    moment is picked (tests/fixtures/kills.py). Returns the unit as it was leased at the kill."""
+    from tests.test_faults import whole_worker
 
     db_url = stack.env["HSX_DATABASE_URL"]
-    for _ in range(100):
-        held = wait_for(lambda: live_lease(db_url, job_id), 60, "a unit leased", stack)
-        groups = {owner_pid(held["owner"]), worker.pid}
-        signal_groups(groups, signal.SIGSTOP)
-        now = units(db_url, job_id)[held["index"]]
-        # A COMMIT the horse sent just before it stopped can still land after the read above (the database
-        # had not run it yet): kill only once no transaction is open, as tests/test_faults.py does.
-        idle = any(busy_connections(db_url) == 0 or _pause(0.05) for _ in range(20))
-        same = (now["state"], now["attempt"], now["owner"]) == ("leased", held["attempt"], held["owner"])
-        if same and idle:
-            signal_groups(groups, signal.SIGKILL)
-            wait_until(functools.partial(all_gone, groups), 30, "the killed worker and horse to go", stack)
-            return held
-        signal_groups(groups, signal.SIGCONT)
-    raise AssertionError(f"never caught a horse holding a lease\n{stack.logs()}")
+    held, frozen = freeze_holding_a_lease(db_url, job_id, whole_worker(worker), 60, describe=stack.logs)
+    signal_pids(frozen, signal.SIGKILL)
+    wait_gone(frozen)
+    return held
 
 
 def test_a_worker_killed_while_its_horse_holds_a_lease_loses_nothing(synth: tuple[Stack, Synthetic]) -> None:
     from app.main import create_app
-    from hsx.db.models import WorkUnit
-    from tests.test_faults import units
 
     stack, engine = synth
     db_url = stack.env["HSX_DATABASE_URL"]
@@ -287,7 +252,7 @@ def test_a_worker_killed_while_its_horse_holds_a_lease_loses_nothing(synth: tupl
         worker.wait(30)
         dead = units(db_url, job_id)[held["index"]]
         assert (dead["state"], dead["attempt"]) == ("leased", held["attempt"]), dead  # nobody committed it
-        end_lease(db_url, WorkUnit, held["id"], attempt=held["attempt"])
+        end_unit_lease(db_url, held)
         engine.resume()
         stack.start_worker()
         assert reader.wait(180) == 0, stack.logs()
@@ -317,11 +282,12 @@ def test_a_consumer_that_never_returns_holds_the_job_and_nothing_unacknowledged_
         waiting = functools.partial(waiting_with_nothing_in_flight, stack, job_id)
         wait_until(waiting, 60, "the job to wait on its consumer", stack)
         # The worker gave the job up (its wait for room on Redis is over): it is idle, runs no work horse,
-        # and no wake-up is queued. A reconciler pass wakes nothing either: the cap is full.
-        wait_until(lambda: worker_idle(stack), 60, "the worker to give the job up", stack)
+        # and no wake-up is queued (an acknowledgement's wake-up, taken after the horse gave up, makes one
+        # more horse that gives up too). A reconciler pass wakes nothing either: the cap is full.
+        wait_until(lambda: worker_quiet(stack), 60, "the worker to give the job up", stack)
         doc = stack.job(job_id)
         assert reconcile_once(stack.settings)["woken"] == 0
-        assert queued_wakeups(stack.settings, job_id) == 0 and worker_idle(stack), stack.logs()
+        assert queued_wakeups(stack.settings, job_id) == 0 and worker_quiet(stack), stack.logs()
         later = stack.job(job_id)
         os.killpg(hung.pid, signal.SIGKILL)
         hung.wait()
@@ -341,14 +307,22 @@ def waiting_with_nothing_in_flight(stack: Stack, job_id: str) -> bool:
     return bool(stream["waiting_on_consumers"] and stream["in_flight_bytes"] == 0)
 
 
-def worker_idle(stack: Stack) -> bool:
-    """The stack's one worker is idle by RQ's registry and no job of its queue has started (no horse)."""
+def worker_quiet(stack: Stack) -> bool:
+    """No wake-up anywhere on its way (queued, taken by a worker, or run by a horse) and the stack's one
+    worker idle by RQ's registry. Read in the order a wake-up moves (the queue, RQ's intermediate queue
+    between the worker's pop and its start, the started registry), so one in flight is seen wherever it
+    is."""
     from rq.registry import StartedJobRegistry
 
     from hsx.jobs.queue import idle_workers, queue_for
 
     queue = queue_for(stack.settings)
-    return idle_workers(stack.settings) == 1 and StartedJobRegistry(queue=queue).count == 0
+    return (
+        not queue.get_job_ids()
+        and not queue.intermediate_queue.get_job_ids()
+        and StartedJobRegistry(queue=queue).count == 0
+        and idle_workers(stack.settings) == 1
+    )
 
 
 def assert_streamed_exactly_once(stack: Stack, job_id: str, cap: int, peak: int, *records: Path) -> None:
@@ -367,16 +341,16 @@ def assert_streamed_exactly_once(stack: Stack, job_id: str, cap: int, peak: int,
 
 
 def test_the_api_killed_and_restarted_while_trainers_stream_loses_nothing_and_repeats_nothing(
-    synth: tuple[Stack, Synthetic],
+    synth: tuple[Stack, Synthetic], kept_port: int
 ) -> None:
-    from hsx.local_stack import free_port, hsx_command, wait_http
+    from hsx.local_stack import hsx_command, wait_http
 
     stack, _engine = synth
     job_id, cap = consume_job(stack)
     watch = BufferWatch(stack.env["HSX_DATABASE_URL"], job_id)
     watch.start()
     stack.start_worker()
-    port = free_port()
+    port = kept_port  # the API comes back on it: nobody else may take it meanwhile
     api = f"http://127.0.0.1:{port}"
     records = [stack.tmp / f"trainer-{n}.jsonl" for n in range(2)]
     with local_stack(stack.tmp / "api-logs") as procs:
@@ -408,13 +382,14 @@ def test_the_api_killed_and_restarted_while_trainers_stream_loses_nothing_and_re
 
 @pytest.fixture
 def private_redis(
-    db_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    db_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept_port: int
 ) -> Iterator[tuple[Stack, LocalStack, str]]:
-    """A stack on a Redis of this test's own (never the shared one: this one is killed)."""
+    """A stack on a Redis of this test's own (never the shared one: this one is killed, and started again
+    on its port, kept for it meanwhile)."""
     from hsx.settings import get_settings
 
     with local_stack(tmp_path / "redis") as private:
-        url = private.start_redis()
+        url = private.start_redis(kept_port)
         stack = make_stack(
             db_url, url, engines.start().url, tmp_path, monkeypatch, stream_room_wait_seconds="2"
         )

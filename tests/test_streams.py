@@ -1,5 +1,6 @@
 """A consume job feeds consumers while it runs: each committed shard is delivered to one consumer at a time,
-re-delivered when a lease runs out, never again once acknowledged (the table refuses it), deleted only once
+re-delivered when a lease runs out (the test ends it in the table: no lease here runs out on the clock),
+never again once acknowledged (the table refuses it), deleted only once
 acknowledged, and by the workers, never by the API; the byte cap holds the workers back until consumers
 acknowledge, and an acknowledgement wakes them through the queue.
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.fixtures.kills import end_lease
 from tests.fixtures.stack import Stack
 from tests.fixtures.synthetic import Synthetic, write_pretokenized
 
@@ -148,7 +150,7 @@ def test_a_lease_that_runs_out_goes_to_another_consumer_and_the_old_ack_is_refus
     job_id = stack.submit(data, samples_per_shard=2, retention="consume")["id"]
     run_worker(engine.url, job_id)
     assert stack.job(job_id)["state"] == "succeeded"
-    slow = consumer(stack, job_id, name="slow", lease_seconds=0.5)
+    slow = consumer(stack, job_id, name="slow")
     fast = consumer(stack, job_id, name="fast")
     first = lease(stack, job_id, slow, max_items=1)["items"]
     assert [i["delivery"] for i in first] == [1]
@@ -157,7 +159,7 @@ def test_a_lease_that_runs_out_goes_to_another_consumer_and_the_old_ack_is_refus
     # The job has succeeded, but a shard another reader holds keeps the stream open for this one.
     waiting = lease(stack, job_id, fast)
     assert waiting["items"] == [] and waiting["end_of_stream"] is False, waiting
-    time.sleep(0.7)
+    end_lease(stack.env["HSX_DATABASE_URL"], StreamItem, first[0]["id"], delivery=1)  # the slow one's ends
     again = lease(stack, job_id, fast, max_items=10)["items"]
     assert [(i["id"], i["delivery"]) for i in again] == [(first[0]["id"], 2)]
     # The first delivery's ack comes late: refused, the file stays for the delivery that holds it.
@@ -279,12 +281,14 @@ def test_acknowledged_shards_go_at_the_reconciler_on_the_workers_host_and_nothin
 def test_a_retried_acknowledgement_counts_once_and_a_lease_whose_answer_was_lost_comes_back_at_once(
     synth: tuple[Stack, Synthetic],
 ) -> None:
+    from hsx.db.stream_models import StreamItem
+
     stack, engine = synth
     data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 8)
     job_id = stack.submit(data, samples_per_shard=2, retention="consume")["id"]
     run_worker(engine.url, job_id)
-    reader = consumer(stack, job_id, name="reader", lease_seconds=30)
-    other = consumer(stack, job_id, name="other", lease_seconds=0.5)
+    reader = consumer(stack, job_id, name="reader")
+    other = consumer(stack, job_id, name="other")
     # The answers of these leases are lost: the reader holds two items without knowing it. A lease without
     # `seen` hands out only new items; with it, held-but-unseen deliveries come first (the same delivery,
     # its lease renewed), and the rest of max_items is filled with new leases.
@@ -314,11 +318,9 @@ def test_a_retried_acknowledgement_counts_once_and_a_lease_whose_answer_was_lost
     assert [r["id"] for r in ack(stack, job_id, other, lost)["refused"]] == [lost[0]["id"]]
     # The other consumer's lease runs out and the item comes back to it as a new delivery: its
     # acknowledgement of the older delivery is refused, a repeated one of the newer accepted once.
-    deadline = time.monotonic() + 20
-    renewed: list[dict[str, Any]] = []
-    while not renewed and time.monotonic() < deadline:
-        renewed = lease(stack, job_id, other, seen=last)["items"]
-        time.sleep(0 if renewed else 0.05)
+    assert lease(stack, job_id, other, seen=last)["items"] == []  # still held: nothing new to hand out
+    end_lease(stack.env["HSX_DATABASE_URL"], StreamItem, last[0]["id"], delivery=1)
+    renewed = lease(stack, job_id, other, seen=last)["items"]
     assert [(i["id"], i["delivery"]) for i in renewed] == [(last[0]["id"], 2)], renewed
     assert ack(stack, job_id, other, last)["refused"][0]["id"] == last[0]["id"]
     assert ack(stack, job_id, other, renewed)["repeated"] == []

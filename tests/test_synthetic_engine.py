@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from hsx import contract
 from hsx.dumps import read_dump
 from hsx.engine_client import EngineClient
-from hsx.local_stack import free_port, hsx_command, local_stack, wait_http
+from hsx.local_stack import hsx_command, local_stack, wait_http, wait_port_file
 from hsx.regenerate import engine_contract
 from hsx.regenerate.engine_contract import GenerationParams, generation_rid
 from hsx.safetensors_io import read_file
@@ -47,7 +47,7 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     base = tmp_path_factory.mktemp("synthetic")
     dump_dir = base / "dumps"
-    port = free_port()
+    port_file = base / "port"
     command = hsx_command(
         "engine",
         "--backend",
@@ -57,15 +57,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "--num-layers",
         str(LAYERS),
         "--port",
-        str(port),
+        "0",
+        "--port-file",
+        str(port_file),
         "--dump-dir",
         str(dump_dir),
     )
     env = {"PYTHONPATH": str(REPO_ROOT)}
     with local_stack(base / "logs") as stack:
         process = stack.start("synthetic-engine", command, env=env)
-        url = f"http://127.0.0.1:{port}"
         try:
+            url = f"http://127.0.0.1:{wait_port_file(port_file, 60, process)}"
             wait_http(f"{url}/health", 60, process)
         except (RuntimeError, TimeoutError):
             print((base / "logs" / "synthetic-engine.log").read_text()[-4000:])

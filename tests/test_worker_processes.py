@@ -1,7 +1,10 @@
 """Many worker processes on one job: every one of them takes part, and the output is exact.
 
 `hsx worker --processes N` starts N worker processes; a job wakes one worker, and each claim that leaves
-claimable units behind keeps a wake-up waiting, so all of them hold leases at once.
+claimable units behind keeps a wake-up waiting, so all of them hold leases at once. The horses are held
+mid-unit (HSX_HOLD_AT, hsx/faults.py) until each of the N processes has one there with its lease: if a
+claim woke nobody, the held horses would be all there ever is, and the test would say which processes took
+part. Then they are let go and the job runs to the end.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+from tests.fixtures.processes import children
 from tests.fixtures.stack import Stack
 from tests.fixtures.warm_processes import start_hsx
 
@@ -47,9 +51,17 @@ def test_every_worker_process_holds_a_lease_and_nothing_is_lost(
             fh.write(json.dumps({"input_ids": ids, "loss_mask": [j % 2 for j in range(len(ids))]}) + "\n")
     # ``hsx worker --processes 3`` forked from the tests' warm parent; it forks its three workers itself,
     # each with two requests in flight, as a fleet host runs them.
+    hold = tmp_path / "hold"
+    hold.mkdir()
     workers = start_hsx(
         ["worker", "--processes", str(PROCESSES)],
-        {**os.environ, **synthetic_stack.env, "HSX_ENGINE_CONCURRENCY": "2"},
+        {
+            **os.environ,
+            **synthetic_stack.env,
+            "HSX_ENGINE_CONCURRENCY": "2",
+            "HSX_HOLD_AT": "mid_unit",
+            "HSX_HOLD_DIR": str(hold),
+        },
         tmp_path / "workers.log",
     )
     synthetic_stack.workers.append(workers)
@@ -58,12 +70,21 @@ def test_every_worker_process_holds_a_lease_and_nothing_is_lost(
         assert time.monotonic() < deadline, "the worker processes never registered"
         time.sleep(0.2)
     job = synthetic_stack.submit(dataset, samples_per_shard=per_unit)
-    most = 0
-    while (doc := synthetic_stack.job(job["id"]))["state"] in ("queued", "running"):
-        most = max(most, live_leases(db_url, job["id"]))
+
+    def holding() -> set[int]:
+        """The worker processes (a horse's parent) of the horses held mid-unit, each holding its lease."""
+        return {int(marker.read_text()) for marker in hold.glob("held-*[0-9]")}
+
+    forked = children(workers.pid)  # the N worker processes
+    deadline = time.monotonic() + 120
+    while len(holding()) < PROCESSES:
+        assert time.monotonic() < deadline, f"only {holding()} of worker processes {forked} took part"
         time.sleep(0.05)
+    assert holding() == forked and len(forked) == PROCESSES
+    assert live_leases(db_url, job["id"]) == PROCESSES  # all of them hold a lease at once
+    (hold / "release").touch()
+    doc = synthetic_stack.wait(job["id"], timeout=300)
     assert doc["state"] == "succeeded", (doc, (tmp_path / "workers.log").read_text()[-3000:])
-    assert most == PROCESSES, f"at most {most} of {PROCESSES} processes held a lease at once"
     reader = OutputReader(doc["output_dir"], verify_checksums=True)
     indices = [sample.index for sample in reader]
     assert sorted(indices) == list(range(samples)), "every sample once, none twice"

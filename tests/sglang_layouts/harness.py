@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -301,9 +300,36 @@ def run_layout(layout: Layout, rank: int, out: Path) -> dict[str, Any]:
     return result
 
 
-def run_rank(rank: int, out: Path, port: int) -> int:
+PORT_RECORD = 6  # bytes of one port as rank 0 writes it to the others: five digits and a newline
+
+
+def rendezvous(rank: int, ports: tuple[int, int]) -> Any:
+    """The ranks' store: rank 0 serves it on a port the kernel picked (port 0) and writes that port down
+    the pipe once per other rank; each other rank reads one record (a write of PIPE_BUF bytes or less is
+    atomic) and connects to it. No port is picked before the server holds it."""
+    read_end, write_end = ports
+    if rank == 0:
+        os.close(read_end)
+        # Not waiting for the others here: they learn the port from the lines written below.
+        store = dist.TCPStore("127.0.0.1", 0, WORLD, True, timedelta(seconds=60), wait_for_workers=False)
+        for _ in range(WORLD - 1):
+            os.write(write_end, f"{store.port:05d}\n".encode())
+        os.close(write_end)
+        return store
+    os.close(write_end)
+    record = b""
+    while len(record) < PORT_RECORD:
+        chunk = os.read(read_end, PORT_RECORD - len(record))
+        if not chunk:
+            raise RuntimeError("rank 0 closed the pipe before it wrote its store's port")
+        record += chunk
+    os.close(read_end)
+    return dist.TCPStore("127.0.0.1", int(record), WORLD, False, timedelta(seconds=60))
+
+
+def run_rank(rank: int, out: Path, ports: tuple[int, int]) -> int:
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, timedelta(seconds=60))
+    store = rendezvous(rank, ports)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     results: dict[str, Any] = {}
     code = 0
@@ -321,25 +347,24 @@ def run_rank(rank: int, out: Path, port: int) -> int:
     return code
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def main(out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    ports = os.pipe()  # rank 0 writes its store's port here for the others
     children = []
     for rank in range(WORLD):
         pid = os.fork()
         if pid == 0:  # the child: no thread exists yet in this process, so forking is safe
             code = 1
             try:
-                code = run_rank(rank, out, port)
+                code = run_rank(rank, out, ports)
+            except BaseException:
+                traceback.print_exc()  # the rendezvous: the layouts report their own failures
+                raise
             finally:
                 os._exit(code)
         children.append(pid)
+    for end in ports:
+        os.close(end)  # the parent's ends: a rank reading a pipe whose rank 0 died sees it closed
     failed = 0
     for pid in children:  # every child is reaped, whatever the others did
         _, status = os.waitpid(pid, 0)

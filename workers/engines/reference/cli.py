@@ -8,6 +8,7 @@ import os
 import sys
 
 from hsx import contract
+from hsx.serving import add_port_file_option
 
 
 def parse_aux_layers(text: str) -> list[int]:
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the default model or a local model directory")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--port", type=int, default=30000, help="0: any free port (see --port-file)")
+    add_port_file_option(parser)
     parser.add_argument("--dump-dir", default=None, help="where dumps go (default: HSX_DUMP_DIR's value)")
     parser.add_argument(
         "--aux-layers", type=parse_aux_layers, default=None, help="decoder layer ids, e.g. 1,14,26 (EAGLE-3)"
@@ -74,8 +76,7 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
-    import uvicorn
-
+    from hsx.serving import serve
     from hsx.settings import get_settings
     from workers.engines.model_store import resolve_model_dir
     from workers.engines.reference.engine import EngineConfig, ReferenceEngine
@@ -117,7 +118,7 @@ def main(argv: list[str]) -> int:
         args.port,
         info.dump_dir,
     )
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+    serve(create_app(engine), args.host, args.port, args.port_file, log_level=args.log_level)
     return 0
 
 

@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from hsx.serving import add_port_file_option
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -60,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         "default model's",
     )
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--port", type=int, default=30000, help="0: any free port (see --port-file)")
+    add_port_file_option(parser)
     parser.add_argument("--dump-dir", default=None, help="where dumps go (default: HSX_DUMP_DIR's value)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return parser
@@ -69,8 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    import uvicorn
-
+    from hsx.serving import serve
     from hsx.settings import get_settings
     from workers.engines.synthetic.engine import SyntheticConfig, SyntheticEngine
     from workers.engines.synthetic.server import create_app
@@ -107,7 +109,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"hsx synthetic engine: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+    serve(create_app(engine), args.host, args.port, args.port_file, log_level=args.log_level)
     return 0
 
 
