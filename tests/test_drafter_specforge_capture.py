@@ -38,8 +38,11 @@ def _module(name: str) -> ModuleType:
 def _conversations(tmp_path: Path) -> list[dict[str, Any]]:
     """The proof's own training prompts, each with an answer of the shapes the target writes (several
     lines, a list, non-ASCII text, a trailing space)."""
-    subprocess.run([sys.executable, str(DRAFTER / "make_prompts.py"), str(tmp_path / "prompts")], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(DRAFTER / "make_prompts.py"), str(tmp_path / "prompts")],
+        check=True,
+        capture_output=True,
+    )
     lines = (tmp_path / "prompts" / "train_prompts.jsonl").read_text().splitlines()
     answers = ["Sure. First, water it.\nThen:\n- repot\n- wait ", "Café au lait — 3 × 2 = 6.", "Yes."]
     rows = []
@@ -72,8 +75,15 @@ def test_specforge_tokenises_the_proof_as_hsx_does(tmp_path: Path, tokenizer: An
 
 def _write(path: Path, ids: list[int], mask: list[int], states: torch.Tensor) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask),
-                "hidden_state": states[..., :8].clone(), "aux_hidden_state": states[..., 8:].clone()}, path)
+    torch.save(
+        {
+            "input_ids": torch.tensor(ids),
+            "loss_mask": torch.tensor(mask),
+            "hidden_state": states[..., :8].clone(),
+            "aux_hidden_state": states[..., 8:].clone(),
+        },
+        path,
+    )
 
 
 def _sample(user: int, answer: list[int], mask_end: bool = True) -> tuple[list[int], list[int]]:
@@ -87,8 +97,12 @@ def test_compare_features_pairs_by_content_and_reports_each_difference(tmp_path:
     hsx = {10: _sample(10, [20, 21]), 11: _sample(11, [22]), 12: _sample(12, [23, 24]), 13: _sample(13, [25])}
     # SpecForge's side, numbered in another order: user 11's answer differs by a token, user 12's mask
     # leaves out the closing <|im_end|>.
-    specforge = {13: _sample(13, [25]), 12: _sample(12, [23, 24], mask_end=False), 11: _sample(11, [22, 26]),
-                 10: _sample(10, [20, 21])}
+    specforge = {
+        13: _sample(13, [25]),
+        12: _sample(12, [23, 24], mask_end=False),
+        11: _sample(11, [22, 26]),
+        10: _sample(10, [20, 21]),
+    }
     for i, (user, (ids, mask)) in enumerate(hsx.items()):
         states = torch.randn(1, len(ids), 32, generator=g)
         _write(tmp_path / "hsx" / "rows_0-2000" / f"data_{i}.ckpt", ids, mask, states)
@@ -96,8 +110,12 @@ def test_compare_features_pairs_by_content_and_reports_each_difference(tmp_path:
         noise = torch.randn(1, len(sf_ids), 32, generator=g) * 0.01
         sf_states = states + noise if len(sf_ids) == len(ids) else noise
         _write(tmp_path / "sf" / "rows_0-2000" / f"data_{3 - i}.ckpt", sf_ids, sf_mask, sf_states)
-    out = subprocess.run([sys.executable, str(DRAFTER / "compare_features.py"), str(tmp_path / "hsx"),
-                          str(tmp_path / "sf")], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(DRAFTER / "compare_features.py"), str(tmp_path / "hsx"), str(tmp_path / "sf")],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     report = json.loads(out)
     assert report["paired"] == 4
     assert report["equal_ids"] == 3
