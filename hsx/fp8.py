@@ -102,15 +102,6 @@ def quantize_rows(
     return encode_e4m3(values / scales[:, None]), scales
 
 
-def quantize_shared(
-    tensors: list[npt.NDArray[np.float32]],
-) -> tuple[list[npt.NDArray[np.uint8]], npt.NDArray[np.float32]]:
-    """Every tensor [T, H] of one token range against one scale per token (the maximum over all of them):
-    speculators' layout, kept for the error measurement."""
-    scales = np.max(np.stack([row_scales(t) for t in tensors]), axis=0)
-    return [encode_e4m3(t / scales[:, None]) for t in tensors], scales
-
-
 def dequantize(codes: npt.NDArray[np.uint8], scales: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     """Codes [T, H] and per-row scales [T] back to float32 [T, H]."""
     result: npt.NDArray[np.float32] = DECODE_TABLE[codes]

@@ -37,12 +37,6 @@ class ClaimedUnit:
     def holds(self, sample_index: int) -> bool:
         return self.sample_indices is None or sample_index in self.sample_indices
 
-    @property
-    def sample_count(self) -> int:
-        if self.sample_indices is not None:
-            return len(self.sample_indices)
-        return self.sample_end - self.sample_start
-
 
 @dataclass(frozen=True)
 class RejectionRow:

@@ -347,18 +347,6 @@ def buffered_bytes(session: Session, job_id: str) -> int:
     )
 
 
-def stored_bytes(session: Session, job_id: str) -> int:
-    """Committed shard bytes not deleted yet: what the job holds on disk outside its units in flight."""
-    return int(
-        session.scalar(
-            select(func.coalesce(func.sum(StreamItem.bytes), 0)).where(
-                StreamItem.job_id == job_id, StreamItem.deleted_at.is_(None)
-            )
-        )
-        or 0
-    )
-
-
 def job_options(session: Session, job_id: str) -> dict[str, Any] | None:
     options = session.scalar(select(Job.options).where(Job.id == job_id))
     return None if options is None else dict(options)
