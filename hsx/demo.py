@@ -73,7 +73,8 @@ def run_demo(
         urls = engine_urls or _start_engines(stack, env)
         api_url = f"http://127.0.0.1:{free_port()}"
         env["HSX_API_URL"] = api_url
-        # The API's /verify checks the first engine; each worker is colocated with its own engine.
+        # /verify checks the first engine, run by whichever worker takes it; each worker is colocated with its
+        # own engine.
         api = stack.start(
             "api", hsx_command("api", "--port", api_url.rsplit(":", 1)[1]), {**env, "HSX_ENGINE_URL": urls[0]}
         )
