@@ -28,8 +28,6 @@ if TYPE_CHECKING:
 
 FP8_DTYPE = "F8_E4M3"  # the safetensors name of the codes
 SCALE_DTYPE = "F32"
-# The job option's spelling (JobOptions.state_dtype) of fp8 storage; "engine" keeps the engine's dtype.
-STATE_DTYPE_OPTION = "fp8_e4m3"
 E4M3_MAX = 448.0
 NAN_CODES = (0x7F, 0xFF)
 # The documented bound of a dequantized token against the engine's own (docs/format.md; hsx verify checks

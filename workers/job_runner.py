@@ -32,7 +32,6 @@ from hsx.db.models import JobState
 from hsx.db.session import retry_db, session_scope
 from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
 from hsx.faults import crash_point
-from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.ingest import DatasetError, UnitRange, read_unit_records
 from hsx.job_options import CONSUME, JobOptions
 from hsx.jobs import engines_met, queries, recovery
@@ -363,7 +362,7 @@ class JobRunner:
             options.max_length,
             options.truncation,
             self.settings.shard_write_behind_bytes,
-            store_fp8=options.state_dtype == STATE_DTYPE_OPTION,
+            store_fp8=options.stores_fp8,
         )
 
     def _run_unit(

@@ -8,13 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path, PurePath
 
 from hsx.db.models import Job, Shard
-from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.job_options import JobOptions
 from hsx.manifest import Counts, Manifest, ManifestError, ShardEntry, job_manifest, relative_shard_path
-
-
-def stores_fp8(job: Job) -> bool:
-    return JobOptions.from_stored(job.options).state_dtype == STATE_DTYPE_OPTION
 
 
 def manifest_of(job: Job, shards: Sequence[Shard], *, on_disk: bool = True) -> Manifest:
@@ -26,7 +21,7 @@ def manifest_of(job: Job, shards: Sequence[Shard], *, on_disk: bool = True) -> M
     return job_manifest(
         job.id,
         job.engine or {},
-        fp8=stores_fp8(job),
+        fp8=JobOptions.from_stored(job.options).stores_fp8,
         counts=Counts(
             samples=job.samples_done,
             rejected=job.samples_rejected,
