@@ -146,6 +146,15 @@ class JobOptions(BaseModel):
             else self.model_copy(update={"samples_per_shard": default})
         )
 
+    def with_cap(self, default: int) -> JobOptions:
+        """These options with the deployment's byte cap (HSX_STREAM_BUFFER_CAP_BYTES) filled in where a
+        consume job names none: the one place that default is applied. Submission stores the result, so a
+        later change of the setting does not move a running job's cap; a row from before that is filled in
+        when read."""
+        if self.retention != CONSUME or self.buffer_cap_bytes is not None:
+            return self
+        return self.model_copy(update={"buffer_cap_bytes": default})
+
     @property
     def stores_fp8(self) -> bool:
         """Whether the shards hold fp8 e4m3 codes and per-token scales (schema 3) instead of the engine's
