@@ -74,9 +74,11 @@ def test_submit_poll_stream_export_and_verify_with_an_api_that_sees_no_output_an
         proc = procs.start("api", blind_api(hidden, port), env={**stack.env, "PYTHONPATH": str(REPO)})
         wait_http(f"{api}/healthz", 60, proc)
         # What the API sees of each directory, read through its own mount namespace: nothing.
-        (Path(engine.dump_dir) / "marker").write_text("workers see this")
+        marker = Path(engine.dump_dir) / "marker"
+        marker.write_text("workers see this")
         for path in hidden:
             assert not list(Path(f"/proc/{proc.pid}/root{path}").iterdir()), path
+        marker.unlink()
         http = httpx.Client(base_url=api, timeout=180, headers={"Authorization": f"Bearer {TEST_TOKEN}"})
 
         # Submit and poll, while a consumer streams the shards as they commit.
