@@ -77,7 +77,8 @@ def run_demo(
         upgrade(get_settings().resolved_database_url)
         _say("job table migrated")
         urls = engine_urls or _start_engines(stack, env)
-        # The API's /verify checks the first engine; each worker is colocated with its own engine.
+        # /verify checks the first engine, run by whichever worker takes it; each worker is colocated with its
+        # own engine.
         api_url = _start(stack, "api", ["api"], {**env, "HSX_ENGINE_URL": urls[0]}, 60)
         env["HSX_API_URL"] = api_url
         for i, url in enumerate(urls):

@@ -28,8 +28,6 @@ if TYPE_CHECKING:
 
 FP8_DTYPE = "F8_E4M3"  # the safetensors name of the codes
 SCALE_DTYPE = "F32"
-# The job option's spelling (JobOptions.state_dtype) of fp8 storage; "engine" keeps the engine's dtype.
-STATE_DTYPE_OPTION = "fp8_e4m3"
 E4M3_MAX = 448.0
 NAN_CODES = (0x7F, 0xFF)
 # The documented bound of a dequantized token against the engine's own (docs/format.md; hsx verify checks
@@ -100,15 +98,6 @@ def quantize_rows(
     values = _to_float32(rows, source_dtype)
     scales = row_scales(values)
     return encode_e4m3(values / scales[:, None]), scales
-
-
-def quantize_shared(
-    tensors: list[npt.NDArray[np.float32]],
-) -> tuple[list[npt.NDArray[np.uint8]], npt.NDArray[np.float32]]:
-    """Every tensor [T, H] of one token range against one scale per token (the maximum over all of them):
-    speculators' layout, kept for the error measurement."""
-    scales = np.max(np.stack([row_scales(t) for t in tensors]), axis=0)
-    return [encode_e4m3(t / scales[:, None]) for t in tensors], scales
 
 
 def dequantize(codes: npt.NDArray[np.uint8], scales: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:

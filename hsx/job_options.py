@@ -14,6 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# state_dtype: the engine's dtype, or fp8 storage (read through JobOptions.stores_fp8).
+StateDtype = Literal["engine", "fp8_e4m3"]
+FP8_STATE_DTYPE: StateDtype = "fp8_e4m3"
+
 # The retention modes (docs/streaming.md): defined with the option, so the jobs and the stream code both
 # read them from here.
 Retention = Literal["keep", "consume"]
@@ -87,7 +91,7 @@ class JobOptions(BaseModel):
         description="Send each request its own cache namespace (SGLang extra_key) as a second guard. It does "
         "not make a prefix-cached engine acceptable: such an engine is refused whatever this says.",
     )
-    state_dtype: Literal["engine", "fp8_e4m3"] = Field(
+    state_dtype: StateDtype = Field(
         "engine",
         description="How the shards store the states: the engine's dtype, or fp8 e4m3 with one float32 "
         "scale per token per tensor (half the bytes of bf16; schema 3, error bound in docs/format.md).",
@@ -141,6 +145,21 @@ class JobOptions(BaseModel):
             if self.samples_per_shard is not None
             else self.model_copy(update={"samples_per_shard": default})
         )
+
+    def with_cap(self, default: int) -> JobOptions:
+        """These options with the deployment's byte cap (HSX_STREAM_BUFFER_CAP_BYTES) filled in where a
+        consume job names none: the one place that default is applied. Submission stores the result, so a
+        later change of the setting does not move a running job's cap; a row from before that is filled in
+        when read."""
+        if self.retention != CONSUME or self.buffer_cap_bytes is not None:
+            return self
+        return self.model_copy(update={"buffer_cap_bytes": default})
+
+    @property
+    def stores_fp8(self) -> bool:
+        """Whether the shards hold fp8 e4m3 codes and per-token scales (schema 3) instead of the engine's
+        dtype: the one place the option's spelling is read."""
+        return self.state_dtype == FP8_STATE_DTYPE
 
     @property
     def unit_size(self) -> int:

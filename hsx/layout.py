@@ -21,6 +21,7 @@ drift apart; a parser refuses what its writer would never produce. Formats: docs
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import secrets
@@ -231,3 +232,39 @@ def place_file(source: Path | str, target: Path | str) -> None:
     """Rename a complete, fsynced file (a staged shard) to its final name, durably."""
     os.replace(source, target)
     fsync_dir(Path(target).parent)
+
+
+# --- a shard's checksums (schema 2 and later) -------------------------------------------------------------
+# A shard is recorded (job table, manifest, stream items) with two sha256: ``sha256`` of its data section,
+# everything after the 8-byte header length and the header, and ``header_sha256`` of everything before it.
+# The writer (workers/shards.py) hashes the data as it streams it and the header it writes last; readers of
+# a whole file compute both here.
+_CHECKSUM_CHUNK = 1 << 20
+
+
+def data_section_start(prefix: Any) -> int:
+    """Where the data section of a safetensors file starts, from its first 8 bytes."""
+    return 8 + int.from_bytes(bytes(prefix[:8]), "little")
+
+
+def shard_checksums(buffer: Any) -> tuple[str, str]:
+    """``(header_sha256, sha256)`` of a whole shard in memory (bytes or an mmap)."""
+    view = memoryview(buffer)
+    start = data_section_start(view)
+    return hashlib.sha256(view[:start]).hexdigest(), hashlib.sha256(view[start:]).hexdigest()
+
+
+def shard_data_sha256(path: Path | str) -> str | None:
+    """``sha256`` of a shard file's data section, read in chunks; None when the file is gone or truncated."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                return None
+            fh.seek(data_section_start(prefix))
+            while chunk := fh.read(_CHECKSUM_CHUNK):
+                digest.update(chunk)
+    except FileNotFoundError:
+        return None
+    return digest.hexdigest()

@@ -30,6 +30,7 @@ from hsx.layout import (
     TOKEN_TENSOR_NAMES,
     sample_tensor_name,
     scale_tensor_name,
+    shard_checksums,
     state_tensor_names,
     tensor_name,
 )
@@ -95,9 +96,7 @@ class ShardView:
             if digest != entry.sha256:
                 raise ChecksumMismatch(f"{self.path}: sha256 {digest}, the manifest says {entry.sha256}")
             return
-        data_start = min((spec.start for spec in self.specs.values()), default=len(self._buffer))
-        header = hashlib.sha256(memoryview(self._buffer)[:data_start]).hexdigest()
-        data = hashlib.sha256(memoryview(self._buffer)[data_start:]).hexdigest()
+        header, data = shard_checksums(self._buffer)
         if header != entry.header_sha256 or data != entry.sha256:
             raise ChecksumMismatch(
                 f"{self.path}: header/data sha256 {header}/{data}, the manifest says "

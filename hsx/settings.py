@@ -102,6 +102,10 @@ class Settings(BaseSettings):
     # unchanged: a restart with other settings is another identity, checked afresh. A preflight is two short
     # prefills, yet took 20-30 s on the loaded 2-core test host (bench/submit.py).
     submit_preflight_ttl_seconds: float = 600.0
+    # How long POST /verify waits for a worker to run the check (workers see the dumps; the API does not).
+    # Longer than one check can take (two prefills of hsx verify's own limits, and their dumps); a worker
+    # busy with a job's units takes it only between runs, so under load the answer may be "no worker".
+    verify_wait_seconds: float = Field(300.0, gt=0, le=3600)
     # Refuse a job whose projected output does not fit in the output filesystem's free space (at prepare).
     # Off for filesystems whose free space means nothing (some network and FUSE mounts).
     check_output_space: bool = True

@@ -40,6 +40,8 @@ SHARED_PREFIX = (
 PROMPT_A = SHARED_PREFIX + " Tonight the sea was calm and the sky was full of stars."
 PROMPT_B = SHARED_PREFIX + " Tonight a storm rolled in from the west and the ships hurried home."
 
+# Rids of a reply-only check: outside contract.RID_PREFIX, so the engine captures nothing.
+REPLY_ONLY_PREFIX = "verify-reply-"
 DEFAULT_TIMEOUT_SECONDS = 120.0
 DEFAULT_DUMP_WAIT_SECONDS = 30.0
 
@@ -71,9 +73,13 @@ def run_verification(
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     dump_wait_seconds: float = DEFAULT_DUMP_WAIT_SECONDS,
     job: Mapping[str, Any] | None = None,
+    dumps: bool = True,
 ) -> VerifyReport:
     """Verify the engine at ``engine_url``; engine failures become failing checks, never exceptions.
-    ``job``: a job document (``engine`` and ``options``) the engine is checked against as well."""
+    ``job``: a job document (``engine`` and ``options``) the engine is checked against as well.
+    ``dumps=False``: judge only what the engine replies (cache reuse, token counts) and have nothing
+    dumped, for a host that does not see the dumps (the API's submit preflight): the prompts go with rids
+    outside the capture prefix, so no dump is left behind for nobody to delete."""
     checks: list[Check] = []
     with EngineClient(engine_url, timeout=timeout, retries=1, backoff=0.2) as client:
         info = _engine_info(client, checks)
@@ -96,9 +102,12 @@ def run_verification(
         run_id = uuid.uuid4().hex[:12]
         for label, text in (("prompt_a", PROMPT_A), ("prompt_b", PROMPT_B)):
             ids = list(tokenizer.encode(text).ids) if tokenizer else [3 + b for b in text.encode()]
+            if not dumps:
+                _check_reply(client, label, ids, f"{REPLY_ONLY_PREFIX}{tag}-{run_id}-{label}", checks)
+                continue
             rid = f"{contract.RID_PREFIX}{tag}-{run_id}-{label}"
             _check_prompt(client, info, directory, label, ids, rid, dump_check, dump_wait_seconds, checks)
-        if job is not None:
+        if job is not None and dumps:
             from hsx.verify_fp8 import fp8_job_checks
 
             # An fp8 job: a few of its stored samples against this engine's states for the same tokens.
@@ -166,6 +175,37 @@ def _load_tokenizer(path: str, checks: list[Check]) -> Tokenizer | None:
     return tokenizer
 
 
+def _prefill(
+    client: EngineClient, label: str, ids: list[int], rid: str, checks: list[Check]
+) -> tuple[int | None, dict[str, Any]] | None:
+    """The reply's meta_info and its cached_tokens as the job reads it (None when missing), after the
+    prompt_tokens check; None when the request failed (a failing check says why)."""
+    try:
+        reply = client.prefill(ids, rid)
+    except EngineRejected as exc:
+        checks.append(Check(f"{label}.generate", False, "request accepted", f"rejected: {exc}"))
+        return None
+    except EngineError as exc:
+        checks.append(Check(f"{label}.generate", False, "request accepted", f"engine failed: {exc}"))
+        return None
+    meta_info = reply["meta_info"]
+    cached = meta_info.get("cached_tokens")
+    # The reply's own count, as the job reads it (a missing one makes the job call the engine unfit).
+    reported = cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
+    prompt_tokens = meta_info.get("prompt_tokens")
+    checks.append(Check(f"{label}.prompt_tokens", prompt_tokens == len(ids), len(ids), prompt_tokens))
+    return reported, meta_info
+
+
+def _check_reply(client: EngineClient, label: str, ids: list[int], rid: str, checks: list[Check]) -> None:
+    replied = _prefill(client, label, ids, rid, checks)
+    if replied is None:
+        return
+    reported, meta_info = replied
+    actual = reported if reported is not None else meta_info.get("cached_tokens", "missing from the reply")
+    checks.append(Check(f"{label}.cached_tokens", reported == 0, 0, actual))
+
+
 def _check_prompt(
     client: EngineClient,
     info: contract.EngineInfo,
@@ -177,20 +217,10 @@ def _check_prompt(
     dump_wait_seconds: float,
     checks: list[Check],
 ) -> None:
-    try:
-        reply = client.prefill(ids, rid)
-    except EngineRejected as exc:
-        checks.append(Check(f"{label}.generate", False, "request accepted", f"rejected: {exc}"))
+    replied = _prefill(client, label, ids, rid, checks)
+    if replied is None:
         return
-    except EngineError as exc:
-        checks.append(Check(f"{label}.generate", False, "request accepted", f"engine failed: {exc}"))
-        return
-    meta_info = reply["meta_info"]
-    cached = meta_info.get("cached_tokens")
-    # The reply's own count, as the job reads it (a missing one makes the job call the engine unfit).
-    reported = cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
-    prompt_tokens = meta_info.get("prompt_tokens")
-    checks.append(Check(f"{label}.prompt_tokens", prompt_tokens == len(ids), len(ids), prompt_tokens))
+    reported = replied[0]
     try:
         with open_dump(dump_dir, rid, dump_wait_seconds) as dump:
             # The job's own validator on the known prompt, also counting NaN/Inf in every byte.

@@ -50,7 +50,7 @@ def fp8_job_checks(
 ) -> list[Check]:
     """The checks for an fp8 job (none for another job): its first ``samples`` stored samples against
     the engine's states for the same tokens."""
-    if JobOptions.from_stored(job.get("options")).state_dtype != fp8.STATE_DTYPE_OPTION:
+    if not JobOptions.from_stored(job.get("options")).stores_fp8:
         return []
     from hsx.loader import LoaderError, OutputReader
     from hsx.manifest import ManifestError

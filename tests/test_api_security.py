@@ -44,7 +44,10 @@ def api(
     from app.main import create_app
     from hsx.settings import get_settings
 
-    stack = make_stack(db_url, redis_url, NO_ENGINE, tmp_path, monkeypatch, max_body_bytes="65536")
+    # No worker runs here: POST /verify (run on a worker) answers 504 after this wait instead of the default.
+    stack = make_stack(
+        db_url, redis_url, NO_ENGINE, tmp_path, monkeypatch, max_body_bytes="65536", verify_wait_seconds="1"
+    )
     with serve(create_app()) as base:
         yield stack, base
     get_settings.cache_clear()
@@ -419,9 +422,16 @@ def test_fuzzing_the_spec_finds_no_server_error_and_no_off_spec_response(
     from app.main import create_app
     from hsx.settings import get_settings
 
-    # File URIs only: a fuzzed http URI would send its host name to the resolver.
+    # File URIs only: a fuzzed http URI would send its host name to the resolver. No worker runs: POST
+    # /verify (run on a worker) answers its documented 504 after a short wait.
     stack = make_stack(
-        db_url, redis_url, engine_synthetic.url, tmp_path, monkeypatch, allowed_uri_schemes='["file"]'
+        db_url,
+        redis_url,
+        engine_synthetic.url,
+        tmp_path,
+        monkeypatch,
+        allowed_uri_schemes='["file"]',
+        verify_wait_seconds="0.5",
     )
     # Half the job ids are a real job's, so that the job routes answer with documents, not only 404s.
     job_id = stack.submit(SAMPLE)["id"]

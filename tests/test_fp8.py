@@ -137,15 +137,6 @@ def test_torch_encoder_gives_the_same_bytes(dtype: torch.dtype) -> None:
     assert np.array_equal(scales.numpy(), ref_scales)
 
 
-def test_shared_scale_is_the_largest_tensor_scale() -> None:
-    small = np.full((2, 4), 0.5, dtype=np.float32)
-    large = np.full((2, 4), 100.0, dtype=np.float32)
-    codes, scales = fp8.quantize_shared([small, large])
-    assert np.allclose(scales, 100.0 / 448)
-    assert np.allclose(fp8.dequantize(codes[1], scales), large)
-    assert np.allclose(fp8.dequantize(codes[0], scales), small, rtol=2.0**-4)
-
-
 def test_bad_scales_are_named() -> None:
     assert fp8.bad_scales(np.array([1.0, np.nan], dtype=np.float32)) == "holds non-finite values"
     assert fp8.bad_scales(np.array([1.0, np.inf], dtype=np.float32)) == "holds non-finite values"

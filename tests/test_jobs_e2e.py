@@ -157,7 +157,11 @@ def test_preflight_refuses_a_prefix_caching_engine(
     assert "prefix cache is on" in doc["error"], doc["error"]
     assert doc["engines"][0]["state"] == "unfit" and doc["progress"]["units_total"] == 0
     assert doc["progress"]["samples_done"] == 0 and doc["shards"]["total"] == 0
-    verify = s.client.post("/verify")
+    s.start_worker()  # /verify runs on a worker (it reads the dumps)
+    try:
+        verify = s.client.post("/verify")
+    finally:
+        s.stop_workers()
     assert verify.status_code == 503 and not verify.json()["ok"]
     assert any("cached_tokens" in c["name"] and not c["ok"] for c in verify.json()["checks"])
 

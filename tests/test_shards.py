@@ -21,6 +21,7 @@ import pytest
 
 from hsx import contract, loader, safetensors_io
 from hsx.dumps import open_dump
+from hsx.layout import shard_data_sha256 as data_sha256
 from hsx.manifest import Manifest, ManifestError, relative_shard_path
 from hsx.safetensors_io import encode_header, read_file
 from hsx.validation import NON_FINITE, SampleRejected
@@ -43,7 +44,7 @@ from tests.fixtures.v1_shards import (
     write_v1_job,
 )
 from workers.engines.synthetic.engine import SyntheticConfig, SyntheticEngine, expected_state
-from workers.shards import ShardStream, ShardWriteError, canonical_state_dtype, data_sha256
+from workers.shards import ShardStream, ShardWriteError, canonical_state_dtype
 
 
 @pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])

@@ -1,5 +1,5 @@
-"""A consume job in the topology the project ships: the API sees the output read-only (docker-compose.yml
-mounts it so), or does not see it at all (workers on other hosts). The API runs as a process of its own in
+"""A consume job whose API cannot write the output: it sees it read-only, or does not see it at all (as
+docker-compose.yml deploys it, and workers on other hosts have it). The API runs as a process of its own in
 a mount namespace of its own (``unshare -m``) with the output bind-mounted read-only, or hidden under an
 empty tmpfs; two worker processes and two consumers (threads in this process, over HTTP) run the job.
 Every lease and acknowledgement answers 2xx, every sample arrives once and matches the dataset, the

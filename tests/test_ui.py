@@ -113,9 +113,11 @@ def test_dashboard_shows_a_job_finish_runs_verify_cancels_and_retries(
     assert tab.locator("#job-shards tr").count() == expected
     assert tab.inner_text("#job-state") == "succeeded"
 
+    stack.start_worker()  # verify runs on a worker (it reads the dumps); stopped before the next job
     tab.click("[data-testid=verify]")
     verdict = tab.wait_for_selector("[data-testid=verify-verdict]")
     assert verdict is not None and "verify passed" in verdict.inner_text()
+    stack.stop_workers()
 
     # A second job, with no worker left to run it: cancel it from the page, then retry it.
     queued = stack.submit(SAMPLE, samples_per_shard=4)

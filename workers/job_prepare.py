@@ -16,7 +16,6 @@ from typing import Any
 
 from hsx.contract import EngineInfo
 from hsx.db.session import session_scope
-from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.ingest import DatasetError, prepare
 from hsx.job_options import JobOptions
 from hsx.jobs import recovery
@@ -56,7 +55,7 @@ class JobPreparer:
             options.truncation,
             encoder,
             self.settings.projection_sample_records,
-            store_fp8=options.state_dtype == STATE_DTYPE_OPTION,
+            store_fp8=options.stores_fp8,
         )
         try:
             with self._lease():

@@ -32,7 +32,6 @@ from hsx.db.models import JobState
 from hsx.db.session import retry_db, session_scope
 from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
 from hsx.faults import crash_point
-from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.ingest import DatasetError, UnitRange, read_unit_records
 from hsx.job_options import CONSUME, JobOptions
 from hsx.jobs import engines_met, queries, recovery
@@ -44,7 +43,6 @@ from hsx.jobs.repository import ClaimedUnit
 from hsx.logging_setup import log_context
 from hsx.settings import Settings
 from hsx.streams import service as stream_service
-from hsx.streams.contract import ClaimWait
 from hsx.streams.deletion import BackgroundDeletion
 from hsx.streams.news import ITEM, announce
 from hsx.streams.room import wait_for_room
@@ -285,15 +283,14 @@ class JobRunner:
                 deletion.now()
             before["delete_s"] += time.monotonic() - deleting
             claiming = time.monotonic()
-            unit = retry_db(lambda: self._claim())
+            unit, capped = retry_db(lambda: self._claim())
             before["claim_s"] += time.monotonic() - claiming
-            if isinstance(unit, ClaimWait) and consume:
+            if capped:
                 tight, deleting = True, time.monotonic()
                 freed = deletion.now()  # the room the cap wants may be acknowledged shards still on disk
                 before["delete_s"] += time.monotonic() - deleting
                 if freed:
                     continue
-            if isinstance(unit, ClaimWait):
                 waiting = time.monotonic()
                 room = wait_for_room(self.settings, self.job_id, self.settings.stream_room_wait_seconds)
                 before["room_wait_s"] += time.monotonic() - waiting
@@ -325,15 +322,16 @@ class JobRunner:
                 return outcome
         return Outcome(f"{done_here} unit(s)", True)
 
-    def _claim(self) -> ClaimedUnit | ClaimWait | None:
+    def _claim(self) -> tuple[ClaimedUnit | None, bool]:
+        """The next unit, or None; and whether a consume job's byte cap held a claimable one back."""
         with session_scope(self.db_url) as session:
             if queries.job_state(session, self.job_id) != JobState.running.value:
-                return None
+                return None, False
             now = time.time()
             if not stream_service.may_claim(session, self.job_id, self.settings, now):
                 # Nothing left to claim is no wait: the job may be ready to finalize.
-                return ClaimWait.CONSUMERS if queries.claimable_count(session, self.job_id, now) else None
-            return repo.claim_unit(session, self.job_id, self.owner, self.settings.lease_seconds, now)
+                return None, queries.claimable_count(session, self.job_id, now) > 0
+            return repo.claim_unit(session, self.job_id, self.owner, self.settings.lease_seconds, now), False
 
     def _wake_more(self) -> None:
         """Keep a wake-up waiting for every idle worker while units are claimable, so they all join at
@@ -364,7 +362,7 @@ class JobRunner:
             options.max_length,
             options.truncation,
             self.settings.shard_write_behind_bytes,
-            store_fp8=options.state_dtype == STATE_DTYPE_OPTION,
+            store_fp8=options.stores_fp8,
         )
 
     def _run_unit(

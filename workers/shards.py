@@ -276,7 +276,7 @@ class ShardStream:
         return ShardInfo(
             path=self.path,
             sha256=self._digest.hexdigest(),
-            header_sha256=hashlib.sha256(header).hexdigest(),
+            header_sha256=hashlib.sha256(header).hexdigest(),  # as hsx.layout.shard_checksums reads it
             bytes=len(header) + self._data_bytes,
             samples=self.samples,
             tokens=self._tokens,
@@ -318,19 +318,3 @@ def _as_torch_rows(chunk: memoryview, dtype: str, rows: int, hidden: int) -> Any
         return torch.frombuffer(chunk, dtype=torch.int16).view(torch.bfloat16).reshape(rows, hidden)
     torch_dtype = {"F16": torch.float16, "F32": torch.float32}[dtype]
     return torch.frombuffer(chunk, dtype=torch_dtype).reshape(rows, hidden)
-
-
-def data_sha256(path: Path) -> str | None:
-    """sha256 of a shard's data section (what the job table records), or None when the file is gone."""
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as fh:
-            prefix = fh.read(8)
-            if len(prefix) < 8:
-                return None
-            fh.seek(8 + int.from_bytes(prefix, "little"))
-            while chunk := fh.read(CHUNK_BYTES):
-                digest.update(chunk)
-    except FileNotFoundError:
-        return None
-    return digest.hexdigest()

@@ -16,8 +16,8 @@ from hsx.db.session import retry_db, session_scope
 from hsx.faults import crash_point
 from hsx.jobs import repository as repo
 from hsx.jobs.repository import ClaimedUnit, CommitHook, ShardRow
-from hsx.layout import place_file, shard_file_name, staged_shard_name
-from workers.shards import ShardWriteError, data_sha256
+from hsx.layout import place_file, shard_data_sha256, shard_file_name, staged_shard_name
+from workers.shards import ShardWriteError
 from workers.unit_processor import UnitResult
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def commit_unit(
         if shard is not None:
             if staged.exists():
                 place_file(staged, final)
-            elif data_sha256(final) != shard.sha256:
+            elif shard_data_sha256(final) != shard.sha256:
                 # Not renamed by an earlier try of this commit (whose transaction was then lost).
                 raise ShardWriteError(final, None, f"the staged shard {staged.name} is gone")
             crash_point("after_rename")

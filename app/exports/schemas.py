@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,14 +34,17 @@ class ExportError(BaseModel):
 
 
 class ExportOut(BaseModel):
+    # Read from the exports table's row (hsx.db.export_models.Export), field for field.
+    model_config = ConfigDict(from_attributes=True)
+
     id: str
     job_id: str
     format: ExportFormat
     state: ExportStateName
     options: dict[str, Any]
     dest: str = Field(description="the export folder; it exists only once the export has succeeded")
-    created_at: str
-    updated_at: str
+    created_at: datetime
+    updated_at: datetime
     attempts: int
     error: ExportError | None
     report: dict[str, Any] | None = Field(description="hsx_export.json of a finished export")

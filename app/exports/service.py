@@ -1,11 +1,15 @@
 """The rules of the exports API: only a succeeded job's output is exported, an export that cannot be made
 is refused before anything is queued, and the same request while an export is under way (or done) gets
-that export back. State lives in a status file per export (hsx.export.status), not in the database."""
+that export back.
+
+The API never opens the output (it may have no view of the workers' disks): whether an export can be made
+is judged on the job's manifest rendered from its rows, the export's state is a row of the job table, and
+a worker, which reads the output, makes it and records how it went. The row is committed before the RQ
+task is enqueued, so the worker always finds it."""
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from rq.exceptions import NoSuchJobError
 from rq.job import Job as RqJob
@@ -13,19 +17,15 @@ from sqlalchemy.orm import Session
 
 from app.exports import schemas
 from app.jobs.service import JobService
+from hsx.db.export_models import Export
 from hsx.db.models import JobState
 from hsx.errors import BadRequest, Conflict, NotFound, ServiceUnavailable
 from hsx.export.common import ExportOptions, options_dict, refusal
-from hsx.export.status import (
-    ExportStatus,
-    export_dest,
-    list_statuses,
-    new_export_id,
-    read_status,
-    write_status,
-)
+from hsx.export.status import export_dest, is_export_id, new_export_id, rq_job_id
+from hsx.jobs import exports, queries
+from hsx.jobs.manifests import manifest_of
 from hsx.jobs.queue import EXPORT_TASK, queue_for
-from hsx.manifest import Manifest, ManifestError
+from hsx.manifest import ManifestError
 from hsx.redis_clients import redis_connection
 from hsx.settings import Settings
 
@@ -38,7 +38,7 @@ class ExportService:
         self.session = session
         self.settings = settings
 
-    def create(self, job_id: str, body: schemas.ExportCreate) -> tuple[ExportStatus, bool]:
+    def create(self, job_id: str, body: schemas.ExportCreate) -> tuple[Export, bool]:
         """Returns the export and whether this call created it (False: the same export, already there)."""
         job = JobService(self.session, self.settings).get(job_id)
         if job.state != JobState.succeeded.value:
@@ -46,9 +46,11 @@ class ExportService:
                 f"job is {job.state}; only a succeeded job can be exported", error="job_not_succeeded"
             )
         try:
-            manifest = Manifest.load(Path(job.output_dir))
+            manifest = manifest_of(job, queries.list_shards(self.session, job_id), on_disk=False)
         except ManifestError as exc:
-            raise Conflict(f"the job's output cannot be read: {exc}", error="job_output_unreadable") from exc
+            raise Conflict(
+                f"the job's output cannot be described: {exc}", error="job_output_unreadable"
+            ) from exc
         options = ExportOptions(
             draft_vocab_size=body.draft_vocab_size,
             target_vocab_size=body.target_vocab_size,
@@ -59,82 +61,67 @@ class ExportService:
         if why:
             raise BadRequest(why, error="export_not_possible")
         wanted = options_dict(options)
-        for existing in list_statuses(self.settings, job_id):
-            if existing.format == body.format and existing.options == wanted and existing.state != "failed":
-                self._requeue_if_lost(existing)
-                return existing, False
+        existing = exports.same_export(self.session, job_id, body.format, wanted)
+        if existing is not None:
+            self._requeue_if_lost(existing)
+            return existing, False
         export_id = new_export_id()
-        status = ExportStatus(
-            id=export_id,
-            job_id=job_id,
-            format=body.format,
-            options=wanted,
-            source=str(job.output_dir),
-            dest=str(export_dest(self.settings, job_id, export_id)),
-        )
-        write_status(self.settings, status)
-        self._enqueue(status)
-        return status, True
+        dest = str(export_dest(self.settings, job_id, export_id))  # a path on the workers' hosts, not opened
+        row = exports.add(self.session, export_id, job_id, body.format, wanted, dest)
+        self.session.commit()
+        self._enqueue(row)
+        return row, True
 
-    def get(self, job_id: str, export_id: str) -> ExportStatus:
+    def get(self, job_id: str, export_id: str) -> Export:
         JobService(self.session, self.settings).get(job_id)
-        status = read_status(self.settings, job_id, export_id)
-        if status is None:
+        row = exports.get(self.session, job_id, export_id) if is_export_id(export_id) else None
+        if row is None:
             raise NotFound(f"no export {export_id} of job {job_id}", error="export_not_found")
-        return status
+        return row
 
-    def list(self, job_id: str) -> list[ExportStatus]:
+    def list(self, job_id: str) -> list[Export]:
         JobService(self.session, self.settings).get(job_id)
-        return list_statuses(self.settings, job_id)
+        return exports.of_job(self.session, job_id)
 
-    def _enqueue(self, status: ExportStatus) -> None:
+    def _enqueue(self, row: Export) -> None:
         try:
             queue_for(self.settings).enqueue(
                 EXPORT_TASK,
-                status.job_id,
-                status.id,
-                job_id=status.rq_job_id,
+                row.job_id,
+                row.id,
+                job_id=rq_job_id(row.id),
                 job_timeout=-1,
                 result_ttl=86400,
                 failure_ttl=7 * 86400,
             )
         except Exception as exc:  # noqa: BLE001 - any Redis failure: say so, and leave no queued ghost
-            status.state = "failed"
-            status.error = {"error": "queue_unavailable", "detail": f"could not queue the export: {exc}"}
-            write_status(self.settings, status)
+            exports.finish(
+                self.session,
+                row.id,
+                error={"error": "queue_unavailable", "detail": f"could not queue the export: {exc}"},
+            )
+            self.session.commit()
             raise ServiceUnavailable(
                 "the queue is unavailable; try again", error="queue_unavailable"
             ) from exc
 
-    def _requeue_if_lost(self, status: ExportStatus) -> None:
+    def _requeue_if_lost(self, row: Export) -> None:
         """An export recorded as under way whose RQ job is gone (Redis lost it) or dead is queued again."""
-        if status.state not in ("queued", "running"):
+        if row.state not in exports.ACTIVE_STATES:
             return
         try:
-            rq_state = RqJob.fetch(status.rq_job_id, connection=redis_connection(self.settings)).get_status()
+            rq_state = RqJob.fetch(rq_job_id(row.id), connection=redis_connection(self.settings)).get_status()
         except NoSuchJobError:
             rq_state = None
         except Exception as exc:  # noqa: BLE001 - cannot tell: leave it, the caller sees its state
-            log.warning("could not look up export %s in the queue: %s", status.id, exc)
+            log.warning("could not look up export %s in the queue: %s", row.id, exc)
             return
         if rq_state is None or str(getattr(rq_state, "value", rq_state)) in _DEAD_RQ_STATES:
-            log.warning("export %s was %s with no live queue job; queueing it again", status.id, status.state)
-            status.state = "queued"
-            write_status(self.settings, status)
-            self._enqueue(status)
+            log.warning("export %s was %s with no live queue job; queueing it again", row.id, row.state)
+            exports.requeue(self.session, row.id)
+            self.session.commit()
+            self._enqueue(row)
 
 
-def document(status: ExportStatus) -> schemas.ExportOut:
-    return schemas.ExportOut(
-        id=status.id,
-        job_id=status.job_id,
-        format=status.format,
-        state=status.state,
-        options=status.options,
-        dest=status.dest,
-        created_at=status.created_at,
-        updated_at=status.updated_at,
-        attempts=status.attempts,
-        error=schemas.ExportError(**status.error) if status.error else None,
-        report=status.report,
-    )
+def document(row: Export) -> schemas.ExportOut:
+    return schemas.ExportOut.model_validate(row)

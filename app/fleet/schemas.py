@@ -8,6 +8,9 @@ from pydantic import BaseModel
 
 
 class UnitOut(BaseModel):
+    """A unit as hsx.jobs.queries.UnitRow has it (validated from that row; its lease owner and expiry are
+    shown as the worker, engine and seconds left below)."""
+
     unit_index: int
     state: str
     attempt: int

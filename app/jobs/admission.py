@@ -4,11 +4,14 @@ ever serve the job. Refused then with a 422 naming the failed checks, rather tha
 ``HSX_NO_FIT_ENGINE_SECONDS``.
 
 Not refused: an engine that does not answer now (every worker checks its own engine), a preflight whose
-failures may be the API's own view (it could not read the dumps or load a tokenizer, or a prefill did not
-come back in time), and any job in a fleet (``HSX_ENGINE_FLEET=true``), where other engines may join. Those
-jobs keep the wait, and the job document says so (``engine_wait``).
+failures may be the API's own view (it could not load a tokenizer, or a prefill did not come back in time),
+and any job in a fleet (``HSX_ENGINE_FLEET=true``), where other engines may join. Those jobs keep the wait,
+and the job document says so (``engine_wait``).
 
-A preflight is two prefills of a short prompt; its result is kept per engine identity (everything
+A preflight is two prefills of a short prompt, judged on the engine's replies alone (its info, the cached
+and prompt token counts): nothing is dumped, since the API has no view of the dumps (the workers validate
+every dump of a job; ``POST /verify`` runs the full check on a worker). Its result is kept per engine
+identity (everything
 ``/hsx/info`` reports, the prefix cache included) for ``HSX_SUBMIT_PREFLIGHT_TTL_SECONDS``, so a burst of
 submissions runs it once and a restarted engine with other settings is checked afresh.
 """
@@ -27,11 +30,10 @@ from hsx.settings import Settings
 
 # Shorter than hsx verify's own limits: a preflight that cannot finish in this time decides nothing here.
 PREFLIGHT_TIMEOUT_SECONDS = 30.0
-PREFLIGHT_DUMP_WAIT_SECONDS = 10.0
 # Failed checks that may say more about the API's host or the moment than about the engine (no tokenizer
-# files, no view of the dump directory, a request lost in transit): never a reason to refuse. Every other
-# check judges what the engine itself reported or dumped.
-INCONCLUSIVE_CHECKS = ("engine_info", "tokenizer", ".generate", ".dump")
+# files, a request lost in transit): never a reason to refuse. Every other check judges what the engine
+# itself reported.
+INCONCLUSIVE_CHECKS = ("engine_info", "tokenizer", ".generate")
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Preflight:
         return "; ".join(self.failed)
 
 
-Key = tuple[str, str, str]
+Key = tuple[str, str]
 _results: dict[Key, tuple[float, Preflight]] = {}
 # One preflight at a time per API process: submissions that arrive meanwhile wait for it and share it.
 _lock = threading.Lock()
@@ -54,8 +56,7 @@ _pending_lock = threading.Lock()
 
 
 def _key(settings: Settings, info: EngineInfo) -> Key:
-    # The API's view of the dumps is part of what the result depends on.
-    return (settings.engine_url, settings.dump_dir, engine_fitness.identity_digest(info))
+    return (settings.engine_url, engine_fitness.identity_digest(info))
 
 
 def _kept(key: Key, settings: Settings) -> Preflight | None:
@@ -113,11 +114,7 @@ def _run(settings: Settings) -> Preflight:
     from hsx.verify import run_verification
 
     report = run_verification(
-        settings.engine_url,
-        settings.dump_dir or None,
-        rid_prefix_tag="submit",
-        timeout=PREFLIGHT_TIMEOUT_SECONDS,
-        dump_wait_seconds=PREFLIGHT_DUMP_WAIT_SECONDS,
+        settings.engine_url, rid_prefix_tag="submit", timeout=PREFLIGHT_TIMEOUT_SECONDS, dumps=False
     )
     failed = [c for c in report.checks if not c.ok]
     conclusive = [c for c in failed if not any(c.name.endswith(n) for n in INCONCLUSIVE_CHECKS)]

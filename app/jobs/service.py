@@ -66,9 +66,7 @@ class JobService:
             )
         key = header_key or body.idempotency_key
         options = body.options.with_unit_size(self.settings.samples_per_shard)
-        if options.retention == "consume" and options.buffer_cap_bytes is None:
-            # Fixed at submission, so a later change of the setting does not move a running job's cap.
-            options = options.model_copy(update={"buffer_cap_bytes": self.settings.stream_buffer_cap_bytes})
+        options = options.with_cap(self.settings.stream_buffer_cap_bytes)
         digest = request_hash(body.dataset_uri, options)
         if key:
             existing = repo.get_job_by_idempotency_key(self.session, key)

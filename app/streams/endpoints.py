@@ -81,27 +81,7 @@ async def lease(
         if body.wait_seconds > 0
         else await look()
     )
-    return schemas.LeaseOut(
-        job_state=answer.job_state,
-        items=[
-            schemas.LeasedItemOut(
-                id=i.id,
-                delivery=i.delivery,
-                unit_index=i.unit_index,
-                path=i.path,
-                uri=i.uri,
-                sha256=i.sha256,
-                header_sha256=i.header_sha256,
-                bytes=i.bytes,
-                samples=i.samples,
-                tokens=i.tokens,
-                lease_expires=i.lease_expires,
-            )
-            for i in answer.items
-        ],
-        end_of_stream=answer.end_of_stream,
-        error=answer.error,
-    )
+    return schemas.LeaseOut.model_validate(answer)
 
 
 @router.post(
@@ -114,11 +94,7 @@ def acknowledge(
         job_id, consumer_id, [(d.id, d.delivery) for d in body.items]
     )
     document_cache(settings).forget(job_id)
-    return schemas.AckOut(
-        acked=answer.acked,
-        repeated=answer.repeated,
-        refused=[schemas.RefusedAck(**r) for r in answer.refused],
-    )
+    return schemas.AckOut.model_validate(answer)
 
 
 @router.delete("/{consumer_id}", status_code=status.HTTP_204_NO_CONTENT, responses=ERRORS)

@@ -79,7 +79,15 @@ class LeaseRequest(BaseModel):
     )
 
 
+# The answers below are read from the stream service's own types (hsx.streams.service.LeaseAnswer and
+# AckAnswer, hsx.streams.repository.LeasedItem) by attribute: a field is named once, there, and described
+# here.
+_FROM_LIBRARY = ConfigDict(from_attributes=True)
+
+
 class LeasedItemOut(BaseModel):
+    model_config = _FROM_LIBRARY
+
     id: int
     delivery: int = Field(description="Name it when acknowledging: a later delivery of the item is another.")
     unit_index: int
@@ -98,6 +106,8 @@ class LeasedItemOut(BaseModel):
 
 
 class LeaseOut(BaseModel):
+    model_config = _FROM_LIBRARY
+
     job_state: str
     items: list[LeasedItemOut]
     end_of_stream: bool = Field(
@@ -113,12 +123,16 @@ class AckRequest(BaseModel):
 
 
 class RefusedAck(BaseModel):
+    model_config = _FROM_LIBRARY
+
     id: int
     delivery: int
     reason: str
 
 
 class AckOut(BaseModel):
+    model_config = _FROM_LIBRARY
+
     acked: list[int] = Field(description="Items whose named delivery is acknowledged now.")
     repeated: list[int] = Field(
         description="Of acked: deliveries this consumer had acknowledged in an earlier call (a retry whose "

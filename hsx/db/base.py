@@ -1,6 +1,7 @@
 """The declarative base every table of the schema derives from, apart from the tables themselves so that
-the job tables (:mod:`hsx.db.models`), the stream tables (:mod:`hsx.db.stream_models`) and the regeneration
-table (:mod:`hsx.db.regenerate_models`) all build on it without importing each other."""
+the job tables (:mod:`hsx.db.models`), the stream tables (:mod:`hsx.db.stream_models`), the regeneration
+table (:mod:`hsx.db.regenerate_models`) and the exports table (:mod:`hsx.db.export_models`) all build on
+it without importing each other."""
 
 from __future__ import annotations
 

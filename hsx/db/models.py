@@ -23,8 +23,9 @@ from sqlalchemy.orm import Mapped, mapped_column
 from hsx.db.base import Base as Base
 from hsx.db.base import utcnow as utcnow
 
-# The stream and regeneration tables: imported here so that Base.metadata holds the whole schema wherever the
-# models are imported (migrations, the schema comparison).
+# The stream, regeneration and export tables: imported here so that Base.metadata holds the whole schema
+# wherever the models are imported (migrations, the schema comparison).
+from hsx.db.export_models import Export as Export
 from hsx.db.regenerate_models import RegeneratedSample as RegeneratedSample
 from hsx.db.stream_models import StreamConsumer as StreamConsumer
 from hsx.db.stream_models import StreamItem as StreamItem

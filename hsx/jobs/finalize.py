@@ -8,13 +8,11 @@ from pathlib import Path
 
 from hsx.db.models import JobState, UnitState
 from hsx.db.session import session_scope
-from hsx.fp8 import STATE_DTYPE_OPTION
-from hsx.job_options import JobOptions
 from hsx.jobs import queries
 from hsx.jobs import repository as repo
+from hsx.jobs.manifests import manifest_of
 from hsx.jobs.publication import PublicationFailed, crash_mid_publish, destination_of, publish_pending
 from hsx.layout import is_temp_name, parse_staged_shard_name
-from hsx.manifest import Counts, ShardEntry, job_manifest, relative_shard_path
 from hsx.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -38,31 +36,8 @@ def finalize_if_complete(db_url: str, job_id: str) -> bool:
         # unit is done, or the manifest counts a sample short of its shards.
         session.refresh(job)
         shards = queries.list_shards(session, job_id)
-        engine = job.engine or {}
         out = Path(job.output_dir)
-        manifest = job_manifest(
-            job.id,
-            engine,
-            fp8=JobOptions.from_stored(job.options).state_dtype == STATE_DTYPE_OPTION,
-            counts=Counts(
-                samples=job.samples_done,
-                rejected=job.samples_rejected,
-                tokens=job.tokens_done,
-                truncated=job.samples_truncated,
-            ),
-            shards=[
-                ShardEntry(
-                    path=relative_shard_path(out, Path(s.path)),
-                    sha256=s.sha256,
-                    bytes=s.bytes,
-                    samples=s.samples,
-                    tokens=s.tokens,
-                    header_sha256=s.header_sha256,
-                )
-                for s in shards
-            ],
-            extra={"dataset_uri": job.dataset_uri, "options": dict(job.options)},
-        )
+        manifest = manifest_of(job, shards)
         published_to = destination_of(job, get_settings())
         if published_to:
             manifest.extra["published_to"] = published_to

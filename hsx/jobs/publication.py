@@ -96,9 +96,9 @@ def publish_pending(
     """Put the job's shards not yet confirmed in its store (all, one unit's, or those committed before an
     epoch time), each checked against its recorded checksums first, and record each. Raises
     :class:`~hsx.storage.StorageError` ``unreachable`` (try later) or :class:`PublicationFailed`."""
-    from hsx.fp8 import STATE_DTYPE_OPTION
+    from hsx.jobs.manifests import manifest_of
     from hsx.loader import LoaderError, ShardView
-    from hsx.manifest import ShardEntry, job_manifest
+    from hsx.manifest import ShardEntry
     from hsx.storage import StorageError
     from hsx.storage.publish import put_shard
 
@@ -116,8 +116,7 @@ def publish_pending(
     if job is None or not shards:
         return done
     destination = destination_of(job, settings)
-    fp8 = JobOptions.from_stored(job.options).state_dtype == STATE_DTYPE_OPTION
-    layout = job_manifest(job_id, job.engine or {}, fp8=fp8)
+    layout = manifest_of(job, [])  # what the shards are checked against, as finalize will list them
     for shard in shards:
         path = Path(shard.path)
         relative = shard_key(job.output_dir, shard.path)

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from hsx.db.models import Job, JobState, Rejection, Shard, Truncation, UnitState, WorkUnit
 from hsx.db.stream_models import StreamItem
-from hsx.jobs.repository import ACTIVE_STATES, LiveCounts, claimable
+from hsx.jobs.repository import ACTIVE_STATES, LiveCounts, claimable, unit_lease_live
 from hsx.layout import split_lease_owner
 
 Row = TypeVar("Row")
@@ -170,10 +170,6 @@ def truncation_page(session: Session, job_id: str, limit: int, offset: int) -> P
 # --- a job's units ----------------------------------------------------------------------------------------
 
 
-def _live_lease(now: float) -> Any:
-    return (WorkUnit.state == UnitState.leased.value) & (WorkUnit.lease_expires >= now)
-
-
 def live_counts(session: Session, job_id: str, now: float) -> LiveCounts:
     """What the attempts holding live leases have handled so far (not yet committed)."""
     row = session.execute(
@@ -181,7 +177,7 @@ def live_counts(session: Session, job_id: str, now: float) -> LiveCounts:
             func.coalesce(func.sum(WorkUnit.live_samples_done), 0),
             func.coalesce(func.sum(WorkUnit.live_samples_rejected), 0),
             func.coalesce(func.sum(WorkUnit.live_tokens), 0),
-        ).where(WorkUnit.job_id == job_id, _live_lease(now))
+        ).where(WorkUnit.job_id == job_id, unit_lease_live(now))
     ).one()
     return LiveCounts(int(row[0]), int(row[1]), int(row[2]))
 
@@ -198,7 +194,7 @@ def _count_units(session: Session, *where: Any) -> int:
 
 
 def live_lease_count(session: Session, job_id: str, now: float) -> int:
-    return _count_units(session, WorkUnit.job_id == job_id, _live_lease(now))
+    return _count_units(session, WorkUnit.job_id == job_id, unit_lease_live(now))
 
 
 def claimable_count(session: Session, job_id: str, now: float) -> int:
@@ -292,7 +288,7 @@ def totals(session: Session, now: float) -> Totals:
 def live_leases(session: Session, now: float, job_id: str | None = None) -> list[LeaseRow]:
     query = select(
         WorkUnit.job_id, WorkUnit.unit_index, WorkUnit.attempt, WorkUnit.lease_owner, WorkUnit.lease_expires
-    ).where(_live_lease(now))
+    ).where(unit_lease_live(now))
     if job_id is not None:
         query = query.where(WorkUnit.job_id == job_id)
     return [

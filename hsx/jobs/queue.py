@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 # The RQ tasks (workers.tasks), by dotted path.
 EXTRACTION_TASK = "workers.tasks.extraction.work_on_job"
 EXPORT_TASK = "workers.tasks.export.run_export"
+VERIFY_TASK = "workers.tasks.verify.run_verify"
 WAKEUP_PREFIX = "hsx-wake-"
 
 

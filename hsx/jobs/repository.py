@@ -37,12 +37,6 @@ class ClaimedUnit:
     def holds(self, sample_index: int) -> bool:
         return self.sample_indices is None or sample_index in self.sample_indices
 
-    @property
-    def sample_count(self) -> int:
-        if self.sample_indices is not None:
-            return len(self.sample_indices)
-        return self.sample_end - self.sample_start
-
 
 @dataclass(frozen=True)
 class RejectionRow:
@@ -206,10 +200,17 @@ def set_job_state(
 # --- work units and leases --------------------------------------------------------------------------------
 
 
+def unit_lease_live(now: float) -> Any:
+    """A unit held under a lease that has not run out: the one SQL statement of unit liveness (claims,
+    heartbeats, commits, counts and views all read it)."""
+    return and_(WorkUnit.state == UnitState.leased.value, WorkUnit.lease_expires >= now)
+
+
 def claimable(now: float) -> Any:
+    """Pending, or leased under a lease that ran out."""
     return or_(
         WorkUnit.state == UnitState.pending.value,
-        and_(WorkUnit.state == UnitState.leased.value, WorkUnit.lease_expires < now),
+        and_(WorkUnit.state == UnitState.leased.value, ~unit_lease_live(now)),
     )
 
 
@@ -266,8 +267,7 @@ def held(unit: ClaimedUnit, now: float) -> Any:
         WorkUnit.id == unit.id,
         WorkUnit.attempt == unit.attempt,
         WorkUnit.lease_owner == unit.owner,
-        WorkUnit.state == UnitState.leased.value,
-        WorkUnit.lease_expires >= now,
+        unit_lease_live(now),
     )
 
 

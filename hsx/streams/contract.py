@@ -4,7 +4,6 @@ wait at the API for an item. (The retention modes are the job option's: :mod:`hs
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 # A lease waits at most this long for an item before it answers empty: well inside any client's read
@@ -31,12 +30,6 @@ def lease_wait(seconds: float | None, read_timeout: float) -> float:
             f"{read_timeout:g}"
         )
     return float(seconds)
-
-
-class ClaimWait(enum.Enum):
-    """What a claim answers when a consume job's byte cap holds its next unit back."""
-
-    CONSUMERS = "consumers"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from hsx.fp8 import STATE_DTYPE_OPTION
 from hsx.job_options import JobOptions
 from hsx.loader import LoaderError, ShardView
 from hsx.manifest import Manifest, ShardEntry, job_manifest
@@ -24,8 +23,9 @@ Source = Literal["auto", "file", "s3"]
 def manifest_for(job: Mapping[str, Any]) -> Manifest:
     """The manifest of a started job without its shard list, from its document (``GET /jobs/{id}``: its
     ``engine`` record and ``options``), built as finalize builds the one it writes."""
-    options = JobOptions.from_stored(job.get("options"))
-    return job_manifest(str(job["id"]), job["engine"], fp8=options.state_dtype == STATE_DTYPE_OPTION)
+    return job_manifest(
+        str(job["id"]), job["engine"], fp8=JobOptions.from_stored(job.get("options")).stores_fp8
+    )
 
 
 class ShardGone(LoaderError):

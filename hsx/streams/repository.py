@@ -6,13 +6,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, exists, func, insert, or_, select, update
+from sqlalchemy import and_, exists, func, insert, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
-from hsx.db.models import Job, Shard, UnitState, WorkUnit
+from hsx.db.models import Job, Shard, WorkUnit
 from hsx.db.stream_models import StreamConsumer, StreamItem
 from hsx.job_options import CONSUME
+from hsx.jobs.repository import unit_lease_live
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,14 @@ def add_item(session: Session, job_id: str, shard_id: int, unit_index: int, nbyt
     )
 
 
+def item_lease_live(now: float) -> ColumnElement[bool]:
+    """An item held by a consumer under a lease that has not run out: the one SQL statement of item
+    liveness (leases, renewals, counts, the end of the stream all read it)."""
+    return and_(StreamItem.consumer_id.is_not(None), StreamItem.lease_expires >= now)
+
+
 def _leasable(now: float) -> ColumnElement[bool]:
-    return and_(
-        StreamItem.acked_at.is_(None),
-        or_(StreamItem.consumer_id.is_(None), StreamItem.lease_expires < now),
-    )
+    return and_(StreamItem.acked_at.is_(None), ~item_lease_live(now))
 
 
 def _published() -> ColumnElement[bool]:
@@ -141,7 +145,7 @@ def held_unseen(
             StreamItem.job_id == job_id,
             StreamItem.consumer_id == consumer_id,
             StreamItem.acked_at.is_(None),
-            StreamItem.lease_expires >= now,
+            item_lease_live(now),
         )
         .order_by(StreamItem.unit_index)
     ).all()
@@ -292,17 +296,13 @@ def mark_deleted(session: Session, item_ids: Sequence[int], now: float) -> None:
 def item_counts(session: Session, job_id: str, now: float) -> ItemCounts:
     """Items of the job by where they stand, and the units in flight, in one statement: every count is
     of the same snapshot, so an acknowledgement committing meanwhile is counted once or not at all."""
-    live = and_(StreamItem.consumer_id.is_not(None), StreamItem.lease_expires >= now)
+    live = item_lease_live(now)
     unacked = StreamItem.acked_at.is_(None)
     stored = StreamItem.deleted_at.is_(None)
     live_units = (
         select(func.count())
         .select_from(WorkUnit)
-        .where(
-            WorkUnit.job_id == job_id,
-            WorkUnit.state == UnitState.leased.value,
-            WorkUnit.lease_expires >= now,
-        )
+        .where(WorkUnit.job_id == job_id, unit_lease_live(now))
         .scalar_subquery()
     )
     row = session.execute(
@@ -347,18 +347,6 @@ def buffered_bytes(session: Session, job_id: str) -> int:
     )
 
 
-def stored_bytes(session: Session, job_id: str) -> int:
-    """Committed shard bytes not deleted yet: what the job holds on disk outside its units in flight."""
-    return int(
-        session.scalar(
-            select(func.coalesce(func.sum(StreamItem.bytes), 0)).where(
-                StreamItem.job_id == job_id, StreamItem.deleted_at.is_(None)
-            )
-        )
-        or 0
-    )
-
-
 def job_options(session: Session, job_id: str) -> dict[str, Any] | None:
     options = session.scalar(select(Job.options).where(Job.id == job_id))
     return None if options is None else dict(options)
@@ -392,8 +380,7 @@ def consumer_leases(session: Session, job_id: str, now: float) -> dict[str, tupl
         select(StreamItem.consumer_id, func.count(), func.coalesce(func.sum(StreamItem.bytes), 0))
         .where(
             StreamItem.job_id == job_id,
-            StreamItem.consumer_id.is_not(None),
-            StreamItem.lease_expires >= now,
+            item_lease_live(now),
         )
         .group_by(StreamItem.consumer_id)
     ).all()
@@ -409,7 +396,7 @@ def unacked_outside_group(session: Session, job_id: str, group_name: str, now: f
         StreamConsumer.job_id == job_id, StreamConsumer.group_name == group_name
     )
     unacked = StreamItem.acked_at.is_(None)
-    held = and_(unacked, StreamItem.consumer_id.in_(group), StreamItem.lease_expires >= now)
+    held = and_(unacked, StreamItem.consumer_id.in_(group), item_lease_live(now))
     row = session.execute(
         select(func.count().filter(unacked), func.count().filter(held)).where(StreamItem.job_id == job_id)
     ).one()

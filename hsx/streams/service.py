@@ -42,7 +42,9 @@ def retention_of(stored: Mapping[str, Any] | None) -> str:
 
 
 def cap_of(job: Job, settings: Settings) -> int:
-    return JobOptions.from_stored(job.options).buffer_cap_bytes or settings.stream_buffer_cap_bytes
+    """A consume job's byte cap (a job that keeps its output has none: 0; :func:`budget` never asks)."""
+    options = JobOptions.from_stored(job.options).with_cap(settings.stream_buffer_cap_bytes)
+    return options.buffer_cap_bytes or 0
 
 
 def unit_bytes(job: Job, counts: ItemCounts) -> int:
