@@ -44,21 +44,22 @@ def split(
         get_settings.cache_clear()
 
 
-def blind_api(hidden: list[Path], port: int) -> list[str]:
-    """``hsx api`` in a mount namespace where every path of ``hidden`` is an empty read-only tmpfs."""
+def blind_api(hidden: list[Path], port_file: Path) -> list[str]:
+    """``hsx api`` in a mount namespace where every path of ``hidden`` is an empty read-only tmpfs, on a port
+    it binds itself and writes to ``port_file``."""
     from hsx.local_stack import hsx_command
 
     mounts = " && ".join(
         f"mount -t tmpfs -o size=1m,mode=0555 hsx-elsewhere {shlex.quote(str(p))}" for p in hidden
     )
-    api = shlex.join(hsx_command("api", "--port", str(port)))
+    api = shlex.join(hsx_command("api", "--port", "0", "--port-file", str(port_file)))
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f"{mounts} && exec {api}"]
 
 
 def test_submit_poll_stream_export_and_verify_with_an_api_that_sees_no_output_and_no_dumps(
     split: tuple[Stack, Synthetic],
 ) -> None:
-    from hsx.local_stack import free_port, local_stack, wait_http
+    from hsx.local_stack import local_stack, wait_http, wait_port_file
 
     stack, engine = split
     if not can_unshare():
@@ -68,10 +69,10 @@ def test_submit_poll_stream_export_and_verify_with_an_api_that_sees_no_output_an
     hidden = [Path(stack.env["HSX_OUTPUT_DIR"]), Path(engine.dump_dir), Path(stack.env["HSX_EXPORTS_DIR"])]
     for path in hidden:
         path.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    api = f"http://127.0.0.1:{port}"
+    port_file = stack.tmp / "api.port"
     with local_stack(stack.tmp / "api-logs") as procs:
-        proc = procs.start("api", blind_api(hidden, port), env={**stack.env, "PYTHONPATH": str(REPO)})
+        proc = procs.start("api", blind_api(hidden, port_file), env={**stack.env, "PYTHONPATH": str(REPO)})
+        api = f"http://127.0.0.1:{wait_port_file(port_file, 60, proc)}"
         wait_http(f"{api}/healthz", 60, proc)
         # What the API sees of each directory, read through its own mount namespace: nothing.
         marker = Path(engine.dump_dir) / "marker"
