@@ -124,8 +124,10 @@ def _judge_preflight(readiness: EngineReadiness, settings: Settings, info: Engin
         504: {"model": ErrorOut, "description": "No worker ran the check in time"},
     },
 )
-async def verify(settings: SettingsDep) -> JSONResponse:
+async def verify(settings: SettingsDep, reference: bool = False) -> JSONResponse:
     """Known prompts in; ``cached_tokens == 0``, dumped count == prompt length and ids equal out. Run by a
-    worker, which sees the engine's dumps (the API does not), and answered through the queue."""
-    report = await run_in_threadpool(verify_on_worker, settings)
+    worker, which sees the engine's dumps (the API does not), and answered through the queue.
+    ``reference=true``: once those pass, each dump's values are also compared with a transformers forward
+    on the worker (``<prompt>.reference_cosine``; the engine's model must be a local directory there)."""
+    report = await run_in_threadpool(verify_on_worker, settings, reference)
     return JSONResponse(report, status_code=200 if report.get("ok") else 503)

@@ -25,13 +25,15 @@ class VerifyUnanswered(HsxError):
     error = "verify_unanswered"
 
 
-def verify_on_worker(settings: Settings) -> dict[str, Any]:
-    """The report of ``hsx verify`` against the configured engine, run by a worker of this queue."""
+def verify_on_worker(settings: Settings, reference: bool = False) -> dict[str, Any]:
+    """The report of ``hsx verify`` (``--reference`` too, if asked) against the configured engine, run by a
+    worker of this queue."""
     try:
         # At the front: an operator waits for it, and it is two short prefills.
         job = queue_for(settings).enqueue(
             VERIFY_TASK,
             settings.engine_url,
+            reference,
             job_id=f"{VERIFY_JOB_PREFIX}{uuid.uuid4().hex}",
             at_front=True,
             job_timeout=int(settings.verify_wait_seconds) + 60,

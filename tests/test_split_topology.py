@@ -14,6 +14,7 @@ import shlex
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -152,4 +153,28 @@ def test_verify_with_no_worker_says_why_instead_of_hanging(
 
         assert queue_for(get_settings()).count == 0
     finally:
+        get_settings.cache_clear()
+
+
+def test_verify_with_reference_matches_the_dumped_values_on_the_worker(
+    db_url: str, redis_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a reference can run (the reference engine's model, on the worker's disk), ``?reference=true``
+    also holds every dumped state to a transformers forward of the same tokens."""
+    from hsx.settings import get_settings
+
+    stack = make_stack(
+        db_url, redis_url, engine_nocache.url, tmp_path, monkeypatch, verify_wait_seconds="240"
+    )
+    try:
+        stack.start_worker()
+        answer = stack.client.post("/verify", params={"reference": "true"})
+        assert answer.status_code == 200, (answer.text, stack.logs())
+        checks = {c["name"]: c for c in answer.json()["checks"]}
+        for label in ("prompt_a", "prompt_b"):
+            assert checks[f"{label}.cached_tokens"]["ok"] and checks[f"{label}.dumped_tokens"]["ok"]
+            cosine = checks[f"{label}.reference_cosine"]
+            assert cosine["ok"] and cosine["actual"], cosine
+    finally:
+        stack.stop_workers()
         get_settings.cache_clear()
