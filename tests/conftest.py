@@ -25,6 +25,17 @@ PG_ADMIN_URL = os.environ.get("HSX_TEST_PG_ADMIN_URL", "postgresql://postgres@12
 REDIS_URL = os.environ.get("HSX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
+@pytest.fixture(autouse=True)
+def _settings_read_afresh() -> Iterator[None]:
+    """Every test reads settings from its own environment: a cached Settings object left by an earlier test
+    (an S3 output address, say) would otherwise steer this one's finalize or publication."""
+    from hsx.settings import get_settings
+
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def pg_server_url() -> Iterator[str]:
     """A fresh database on the real PostgreSQL server for this test session, dropped at the end."""
