@@ -26,30 +26,17 @@ for _path in (ROOT, HERE):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from arch_matrix import LENS, load_dump  # noqa: E402  (the prompt lengths and dump reader of the matrix)
+
 from bench.sglang_capture import Client, wait_for_dumps  # noqa: E402
 from hsx import contract  # noqa: E402
 
-# Lengths of the captured prompts: one token, a few, chunked ones (chunked prefill 256 on the servers).
-LENS = [1, 2, 17, 255, 256, 257, 700, 1500]
 COS_OK = 0.999  # per-token cosine of two bf16 forwards of one model whose reductions run in another order
 
 
 def prompts(vocab: int) -> list[list[int]]:
     rng = random.Random(20261207)  # the same prompts on every server of one model
     return [[rng.randrange(10, vocab) for _ in range(n)] for n in LENS]
-
-
-def load_dump(dump_dir: str, rid: str) -> tuple[contract.DumpMeta, dict[str, Any]]:
-    import torch
-
-    d = os.path.join(dump_dir, rid)
-    with open(os.path.join(d, contract.META_FILE)) as fh:
-        meta = contract.DumpMeta.from_json(fh.read())
-    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32}
-    out = {}
-    for name, t in contract.read_safetensors(os.path.join(d, contract.STATES_FILE)).items():
-        out[name] = torch.frombuffer(bytearray(t.data), dtype=dtypes[t.dtype]).view(*t.shape)
-    return meta, out
 
 
 def send(url: str, dump_dir: str, tag: str, vocab: int, out: str) -> int:
