@@ -35,10 +35,6 @@ def ack(stack: Stack, job_id: str, consumer: str, item: dict[str, Any]) -> None:
     assert resp.status_code == 200 and resp.json()["acked"] == [item["id"]], resp.text
 
 
-def plot_tokens(tab: Any) -> int:
-    return int(tab.get_attribute(PLOT, "data-tokens"))
-
-
 def wait_for_plot_tokens(tab: Any, tokens: int) -> None:
     """The page draws a refresh every two seconds: wait until it shows this many tokens."""
     tab.wait_for_function(
@@ -48,29 +44,45 @@ def wait_for_plot_tokens(tab: Any, tokens: int) -> None:
     )
 
 
-def check_plot(tab: Any, stack: Stack, job_id: str) -> dict[str, Any]:
+# One look at the plot, taken in the page at once: the page redraws every two seconds, so attributes read
+# one by one could come from two drawings.
+SNAPSHOT = """() => {
+  const plot = document.querySelector('[data-testid=throughput-plot]');
+  const line = document.querySelector('[data-testid=throughput-line]');
+  const ytext = document.querySelector('[data-testid=plot-ymax]');
+  if (plot === null) return null;
+  const points = [...plot.querySelectorAll('circle.point')];
+  return {
+    n: Number(plot.dataset.points), line: line ? line.getAttribute('points').trim().split(/\\s+/).length : 0,
+    rates: points.map((p) => Number(p.dataset.rate)), spread: points.map((p) => Number(p.dataset.tokens)),
+    ymax: Number(plot.dataset.ymax), ymaxText: ytext ? ytext.textContent : '',
+    mean: Number(plot.dataset.mean), tokens: Number(plot.dataset.tokens), text: plot.textContent,
+  };
+}"""
+
+
+def check_plot(tab: Any, stack: Stack, job_id: str) -> tuple[dict[str, Any], int]:
     """The plot agrees with the job: its buckets add up to the job's tokens, one point a bucket, and the
-    y axis reaches the peak bucket and the job's mean rate. Returns the job as read after the plot."""
-    doc = stack.job(job_id)
-    wait_for_plot_tokens(tab, doc["progress"]["tokens"])
-    doc = stack.job(job_id)  # read after the page's read: its mean rate can only have fallen since
-    plot = tab.query_selector(PLOT)
-    assert plot is not None
-    n = int(plot.get_attribute("data-points"))
-    line = tab.get_attribute("[data-testid=throughput-line]", "points").split()
-    assert n > 1 and len(line) == n, line
-    points = tab.query_selector_all(f"{PLOT} circle.point")
-    rates = [float(p.get_attribute("data-rate")) for p in points]
-    spread = sum(float(p.get_attribute("data-tokens")) for p in points)  # tokens spread over buckets
-    assert len(points) == n and abs(spread - plot_tokens(tab)) < 0.01 * n
-    ymax = float(plot.get_attribute("data-ymax"))
-    assert tab.text_content("[data-testid=plot-ymax]") and ymax >= max(rates) > 0
-    mean, rate = float(plot.get_attribute("data-mean")), doc["progress"]["tokens_per_second"]
-    # The page times with milliseconds and ends at the job's last unit's finish, which can come a few ms
-    # after the job's; the API times with microseconds. Both round to 0.1 tok/s.
-    assert ymax >= mean >= rate * 0.99 - 0.1 and rate > 0, (mean, rate)
-    assert "tok/s" in (plot.text_content() or "") and "time since start" in (plot.text_content() or "")
-    return doc
+    y axis reaches the peak bucket and the job's mean rate. Returns the job as read after the plot, and the
+    tokens the plot stood for."""
+    wait_for_plot_tokens(tab, stack.job(job_id)["progress"]["tokens"])  # what the page reads too
+    shot = tab.evaluate(SNAPSHOT)
+    # Read after the drawing looked at, from the job table (not a document the API kept): its clock is at
+    # or past the page's, and its tokens at or past the plot's.
+    doc = stack.job(job_id, fresh=True)
+    n, rates = shot["n"], shot["rates"]
+    assert n > 1 and shot["line"] == n and len(rates) == n, shot
+    assert abs(sum(shot["spread"]) - shot["tokens"]) < 0.01 * n, shot
+    assert shot["ymaxText"] and shot["ymax"] >= max(rates) > 0, shot
+    tokens, rate = doc["progress"]["tokens"], doc["progress"]["tokens_per_second"]
+    assert rate > 0 and tokens >= shot["tokens"] > 0, (shot, doc["progress"])
+    # The API's rate is its tokens over its elapsed time, which is at least the page's: so the page's mean,
+    # the plot's tokens over the page's time, is at least the API's rate scaled to the plot's tokens. The
+    # page times with milliseconds and the API with microseconds; both round to 0.1 tok/s.
+    floor = rate * shot["tokens"] / tokens
+    assert shot["ymax"] >= shot["mean"] >= floor * 0.99 - 0.1, (shot["mean"], floor, doc["progress"])
+    assert "tok/s" in shot["text"] and "time since start" in shot["text"]
+    return doc, int(shot["tokens"])
 
 
 @postgres_only
@@ -106,10 +118,9 @@ def test_dashboard_shows_the_buffer_against_the_cap_the_consumers_and_tokens_per
     assert idle.endswith(" s") and float(idle.split()[0]) >= 0, idle
 
     # A running job: the plot stands for what it has committed so far, the unit the consumer holds.
-    doc = check_plot(tab, stack, job["id"])
+    doc, first = check_plot(tab, stack, job["id"])
     assert doc["state"] == "running" and doc["progress"]["units_done"] >= 1
     assert "now" in (tab.text_content(PLOT) or "")
-    first = plot_tokens(tab)
 
     # The consumer acknowledges: the cap lets the workers on, and the plot follows them.
     ack(stack, job["id"], consumer, held[0])
@@ -120,8 +131,8 @@ def test_dashboard_shows_the_buffer_against_the_cap_the_consumers_and_tokens_per
         if out["end_of_stream"]:
             break
         if acked == screenshot_at:
-            doc = check_plot(tab, stack, job["id"])
-            assert doc["state"] == "running" and plot_tokens(tab) > first
+            doc, now_drawn = check_plot(tab, stack, job["id"])
+            assert doc["state"] == "running" and now_drawn > first
             tab.wait_for_selector(f"tr[data-consumer='{consumer}'] [data-testid=leased-items]:text-is('1')")
             shot = artifacts_dir() / "dashboard-stream.png"
             tab.screenshot(path=str(shot), full_page=True)
@@ -134,7 +145,7 @@ def test_dashboard_shows_the_buffer_against_the_cap_the_consumers_and_tokens_per
     doc = stack.wait(job["id"])
     assert doc["state"] == "succeeded", doc
     tab.wait_for_selector("#job-state:has-text('succeeded')")
-    check_plot(tab, stack, job["id"])
+    _, drawn = check_plot(tab, stack, job["id"])
     assert "now" not in (tab.text_content(PLOT) or "")
-    assert plot_tokens(tab) == doc["progress"]["tokens"]
+    assert drawn == doc["progress"]["tokens"]
     assert not errors, errors
