@@ -326,7 +326,7 @@ def test_a_regenerate_job_captures_the_engines_own_ids_and_its_dataset_recapture
     # The download (through the CLI, over real HTTP), submitted again without regenerate, captures the same
     # ids and masks bit for bit.
     from app.main import create_app
-    from hsx.cli import main as hsx_main
+    from hsx.cli.main import main as hsx_main
 
     again_path = tmp_path / "regenerated.jsonl"
     with serve_in_thread(create_app()) as api:
