@@ -213,8 +213,9 @@ def test_images_are_stages_of_the_dockerfiles(compose: dict[str, Any]) -> None:
     assert services["api"]["build"]["target"] == services["migrate"]["build"]["target"] == "api"
     assert services["worker"]["build"]["target"] == "worker"
     api_stage = (REPO / "docker/Dockerfile").read_text().split("AS api", 1)[1].split("\nFROM ", 1)[0]
-    # No worker extra and no torch wheel index: the API image installs the base requirements only.
-    assert "pip install . " in api_stage and "[worker]" not in api_stage and "TORCH_INDEX" not in api_stage
+    # The server extra, no worker extra and no torch wheel index: the API image installs no torch.
+    assert 'pip install ".[server]"' in api_stage
+    assert "[worker]" not in api_stage and "torch]" not in api_stage and "TORCH_INDEX" not in api_stage
 
 
 def test_the_api_imports_no_torch() -> None:
