@@ -9,7 +9,7 @@ STAMP := $(VENV)/.hsx-installed
 $(STAMP): pyproject.toml constraints/cpu.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[worker,dev,services,interop]'
+	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[server,worker,torch,cli,dev,services,interop]'
 	# The trainers whose readers the interop tests run; their own requirements pin GPU-only stacks, and
 	# what their readers import comes with the interop extra.
 	$(PY) -m pip install -q --no-deps specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0

@@ -8,8 +8,8 @@ from typing import Annotated
 from fastapi import Depends
 from sqlalchemy.orm import Session
 
-from hsx.db.session import session_factory
-from hsx.settings import Settings, get_settings
+from hsx.server.db.session import session_factory
+from hsx.server.settings import Settings, get_settings
 
 
 async def settings_dep() -> Settings:

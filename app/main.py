@@ -20,7 +20,7 @@ from app.security import BodySizeLimitMiddleware, require_token
 from app.streams.endpoints import router as streams_router
 from app.ui import DashboardFiles
 from hsx.errors import HsxError
-from hsx.settings import get_settings
+from hsx.server.settings import get_settings
 
 log = logging.getLogger(__name__)
 

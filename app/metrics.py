@@ -8,7 +8,7 @@ Everything is read at scrape time, so any number of API replicas answer the same
 * RQ: queue depth, wake-ups that failed (their function raised) apart from those cut short (their work
   horse or worker died: the job table counts those units' horse deaths and their leases end; the queue
   itself lost nothing), and registered workers;
-* what the workers pushed through Redis (:mod:`hsx.telemetry`): engine request latency and dump wait
+* what the workers pushed through Redis (:mod:`hsx.server.telemetry`): engine request latency and dump wait
   (histograms), bytes written, truncations, sample retries, engine errors, units by outcome, tokens
   generated.
 
@@ -38,13 +38,13 @@ from sqlalchemy.orm import Session
 
 from app.deps import SessionDep, SettingsDep
 from app.jobs.schemas import ErrorOut
-from hsx import telemetry
-from hsx.db.models import Job
-from hsx.jobs import queries
-from hsx.jobs.queue import queue_for
-from hsx.redis_clients import redis_connection
-from hsx.regenerate import repository as regen_repo
-from hsx.settings import Settings
+from hsx.server import telemetry
+from hsx.server.db.models import Job
+from hsx.server.jobs import queries
+from hsx.server.jobs.queue import queue_for
+from hsx.server.redis_clients import redis_connection
+from hsx.server.regenerate import repository as regen_repo
+from hsx.server.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from app.deps import SessionDep, SettingsDep
 from app.jobs import admission
 from app.jobs.schemas import ErrorOut, VerifyOut
 from app.verification import verify_on_worker
-from hsx import engine_fitness
 from hsx.contract import EngineInfo
-from hsx.engine_client import EngineClient, EngineError, EngineUnfit
-from hsx.jobs import queries
-from hsx.redis_clients import redis_connection
-from hsx.settings import Settings
+from hsx.engine import fitness as engine_fitness
+from hsx.engine.client import EngineClient, EngineError, EngineUnfit
+from hsx.server.jobs import queries
+from hsx.server.redis_clients import redis_connection
+from hsx.server.settings import Settings
 
 health_router = APIRouter(tags=["health"])
 verify_router = APIRouter(tags=["verify"])

@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.deps import SettingsDep
 from hsx.errors import PayloadTooLarge, ServiceUnavailable, Unauthorized
-from hsx.settings import Settings, TokenConfigError
+from hsx.server.settings import Settings, TokenConfigError
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from rq.job import Job as RqJob
 from rq.job import JobStatus
 
 from hsx.errors import HsxError, ServiceUnavailable
-from hsx.jobs.queue import VERIFY_TASK, queue_for
-from hsx.settings import Settings
+from hsx.server.jobs.queue import VERIFY_TASK, queue_for
+from hsx.server.settings import Settings
 
 VERIFY_JOB_PREFIX = "hsx-verify-"
 _POLL_SECONDS = 0.1

@@ -36,7 +36,7 @@ from harness import (  # noqa: E402
     write_pretokenized,
 )
 
-from hsx.engine_client import EngineClient  # noqa: E402
+from hsx.engine.client import EngineClient  # noqa: E402
 
 
 def lengths_for(name: str, samples: int, seed: int = 11) -> list[int]:

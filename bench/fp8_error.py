@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model_dir = args.model
     if model_dir is None:
-        from hsx.settings import Settings
+        from hsx.server.settings import Settings
         from workers.engines.model_store import resolve_model_dir
 
         model_dir = resolve_model_dir(None, Settings())

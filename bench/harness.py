@@ -29,8 +29,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from hsx import contract  # noqa: E402
-from hsx.engine_client import EngineClient  # noqa: E402
-from hsx.local_stack import LocalStack, free_port, hsx_command, redis_reachable, wait_http  # noqa: E402
+from hsx.cli.local_stack import LocalStack, free_port, hsx_command, redis_reachable, wait_http  # noqa: E402
+from hsx.engine.client import EngineClient  # noqa: E402
 
 
 def say(message: str) -> None:
@@ -78,7 +78,7 @@ class Stack:
     def use_engine(self, url: str) -> int:
         """Run the stack's jobs on an engine already serving at ``url`` (a patched SGLang on a GPU host);
         returns its hidden size."""
-        from hsx.engine_client import EngineClient
+        from hsx.engine.client import EngineClient
 
         info = EngineClient(url).info()
         self.engine_url = url
@@ -158,7 +158,7 @@ def private_stack(
             "TOKENIZERS_PARALLELISM": "false",
             **(settings or {}),
         }
-        from hsx.db.migrate import upgrade
+        from hsx.server.db.migrate import upgrade
 
         upgrade(db)
         stack = Stack(work=work, local=local, env=env)

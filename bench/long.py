@@ -39,7 +39,7 @@ from harness import (  # noqa: E402
 from memory import RssSampler  # noqa: E402
 from stream import ConsumerTimeline, consume  # noqa: E402
 
-from hsx.engine_client import EngineClient  # noqa: E402
+from hsx.engine.client import EngineClient  # noqa: E402
 
 MIB = 1 << 20
 

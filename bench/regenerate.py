@@ -7,7 +7,7 @@ the same sampling parameters, measured in the same run.
 
 Parts (each prints a table; one JSON line comes last):
 
-* ``client``: the worker's client (``EngineClient.generate``, hsx/regenerate/engine_contract.py) against a
+* ``client``: the worker's client (``EngineClient.generate``, hsx/engine/regenerate_contract.py) against a
   bare keep-alive ``POST /generate`` of the same prompts and parameters at the same concurrency, rounds
   alternating. Generated tokens/s of each and the ratio.
 * ``job``: a whole regenerate job (API, workers, the job table; one generated turn a sample: each row is a
@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, Stack, mean, private_stack, say, table  # noqa: E402
 from sglang_capture import Client as BareClient  # noqa: E402
 
-from hsx.engine_client import EngineClient  # noqa: E402
-from hsx.local_stack import free_port, hsx_command, wait_http  # noqa: E402
-from hsx.regenerate.engine_contract import GenerationParams, generation_rid  # noqa: E402
+from hsx.cli.local_stack import free_port, hsx_command, wait_http  # noqa: E402
+from hsx.engine.client import EngineClient  # noqa: E402
+from hsx.engine.regenerate_contract import GenerationParams, generation_rid  # noqa: E402
 
 WORDS = (
     "river stone light market garden engine paper window silver forest number winter signal bridge orange",
@@ -222,7 +222,7 @@ def part_client(
 
 
 def job_side_available() -> bool:
-    from hsx.job_options import JobOptions
+    from hsx.server.job_options import JobOptions
 
     return "regenerate" in JobOptions.model_fields
 
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         if "job" in parts:
             if not job_side_available():
                 # TODO(lead): the regenerate job option is not on this branch; with it merged, this part runs.
-                say("job: skipped (no 'regenerate' job option in hsx.job_options on this checkout)")
+                say("job: skipped (no 'regenerate' job option in hsx.server.job_options on this checkout)")
             elif tokenizer is None:
                 say("job: skipped (the engine's model path holds no tokenizer with a chat template)")
             else:

@@ -24,8 +24,8 @@ from harness import private_stack, say, table, write_pretokenized  # noqa: E402
 
 
 def read_cost(records_path: str, units: list[tuple[int, int, int, int]], repeat: int = 50) -> float:
-    """Mean seconds to read one unit's records through hsx.ingest.read_unit."""
-    from hsx.ingest import UnitRange, read_unit
+    """Mean seconds to read one unit's records through hsx.server.ingest.read_unit."""
+    from hsx.server.ingest import UnitRange, read_unit
 
     started = time.perf_counter()
     for _ in range(repeat):
@@ -45,10 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from sqlalchemy import select
 
-    from hsx.db.models import Job, WorkUnit
-    from hsx.db.session import session_scope
-    from hsx.jobs import queries
     from hsx.loader import OutputReader
+    from hsx.server.db.models import Job, WorkUnit
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import queries
 
     settings = {"HSX_ENGINE_CONCURRENCY": "4", "HSX_RECONCILE_SECONDS": "5"}
     with private_stack("scale", database_url=args.database_url, settings=settings) as stack:

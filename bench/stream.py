@@ -75,8 +75,8 @@ class Monitor(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        from hsx.db.session import session_scope
-        from hsx.streams import repository
+        from hsx.server.db.session import session_scope
+        from hsx.server.streams import repository
 
         beat = 0
         while not self.stopped.wait(0.02):

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import private_stack, say, table, write_pretokenized  # noqa: E402
 
-from hsx.local_stack import free_port, hsx_command, wait_http  # noqa: E402
+from hsx.cli.local_stack import free_port, hsx_command, wait_http  # noqa: E402
 
 MODES = {
     "fleet (no preflight)": {"HSX_ENGINE_FLEET": "true"},

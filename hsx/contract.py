@@ -6,7 +6,7 @@ API imports it without torch.
 Request: SGLang's native ``POST /generate`` with ``input_ids``, ``rid``, ``sampling_params`` (and optionally
 ``extra_key``, SGLang's cache namespace). Response: ``meta_info.prompt_tokens`` and
 ``meta_info.cached_tokens``. Only requests whose rid starts with :data:`RID_PREFIX` are captured; everything
-else (health checks, warm-up, regeneration's generations: hsx/regenerate/engine_contract.py) is served but
+else (health checks, warm-up, regeneration's generations: hsx/engine/regenerate_contract.py) is served but
 never dumped.
 
 Dump: a directory ``<dump_dir>/<rid>/`` holding :data:`STATES_FILE` (safetensors: ``input_ids`` int32 [T]
@@ -39,7 +39,7 @@ META_FILE = "meta.json"
 STATES_FILE = "states.safetensors"
 INFO_PATH = "/hsx/info"
 # The pre-norm final state (hsx.layout.PRE_NORM_TENSOR) is captured on request (``--final-state pre|both``).
-# The key of EngineInfo.extra that names the model's weights and config (hsx.model_identity).
+# The key of EngineInfo.extra that names the model's weights and config (hsx.engine.model_identity).
 MODEL_FINGERPRINT = "model_fingerprint"
 # The key of EngineInfo.extra (and so of a manifest's ``engine``) that holds ParallelLayout.to_dict().
 PARALLEL_LAYOUT = "parallel_layout"
@@ -178,7 +178,7 @@ class EngineInfo:
     # captured, as PRE_NORM_TENSOR; "both": both.
     final_state: str = "post"
     # Engine-specific facts worth recording with a job (version, tensor-parallel size, chunk size, ...).
-    # ``extra[MODEL_FINGERPRINT]`` identifies the weights and config (see hsx.model_identity): two
+    # ``extra[MODEL_FINGERPRINT]`` identifies the weights and config (see hsx.engine.model_identity): two
     # checkpoints of one shape differ there and nowhere else.
     extra: dict[str, Any] = field(default_factory=dict)
     # The most positions a prompt may have (the model's context length); None when the engine does not say.

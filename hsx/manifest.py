@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Literal
 
 from hsx.contract import LAYER_CONVENTION, PARALLEL_LAYOUT, ParallelLayout
 from hsx.layout import FINAL_STATES as FINAL_STATES  # the schema's names live in hsx.layout
@@ -24,6 +24,17 @@ from hsx.layout import write_atomically
 # The shard's state tensors use safetensors dtype names, so the manifest does too (no aliases here).
 STATE_DTYPES = ("BF16", "F16", "F32")
 FP8_DTYPE = "F8_E4M3"  # schema 3 only; source_dtype then names what the engine produced
+
+# The job option that picks it (``state_dtype``), spelled here once: the option (hsx.server.job_options)
+# takes its type from this, and a stream reader reads a job document's options with :func:`stores_fp8`.
+StateDtype = Literal["engine", "fp8_e4m3"]
+FP8_STATE_DTYPE: StateDtype = "fp8_e4m3"
+
+
+def stores_fp8(state_dtype: object) -> bool:
+    """Whether a job's ``state_dtype`` option stores fp8 e4m3 codes and per-token scales (schema 3)
+    instead of the engine's dtype. ``None`` (a job without the option) is the engine's dtype."""
+    return state_dtype == FP8_STATE_DTYPE
 
 
 class ManifestError(Exception):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from alembic import context
 
-from hsx.db.models import Base
-from hsx.db.session import make_engine
-from hsx.settings import get_settings
+from hsx.server.db.models import Base
+from hsx.server.db.session import make_engine
+from hsx.server.settings import get_settings
 
 config = context.config
 url = config.get_main_option("sqlalchemy.url") or get_settings().resolved_database_url

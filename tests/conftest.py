@@ -29,7 +29,7 @@ REDIS_URL = os.environ.get("HSX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 def _settings_read_afresh() -> Iterator[None]:
     """Every test reads settings from its own environment: a cached Settings object left by an earlier test
     (an S3 output address, say) would otherwise steer this one's finalize or publication."""
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     get_settings.cache_clear()
     yield
@@ -46,7 +46,7 @@ def pg_server_url() -> Iterator[str]:
         conn.execute(f'CREATE DATABASE "{name}"')
     base = PG_ADMIN_URL.rsplit("/", 1)[0]
     yield f"{base.replace('postgresql://', 'postgresql+psycopg://', 1)}/{name}"
-    from hsx.db.session import engine_for
+    from hsx.server.db.session import engine_for
 
     engine_for.cache_clear()
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
@@ -59,7 +59,7 @@ def _sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     what running the migrations again would write, without their second or so a test."""
     import sqlite3
 
-    from hsx.db.migrate import upgrade
+    from hsx.server.db.migrate import upgrade
 
     path = tmp_path_factory.mktemp("sqlite-template") / "hsx.sqlite3"
     upgrade(f"sqlite:///{path}")
@@ -72,7 +72,7 @@ def _sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def _pg_migrated(pg_server_url: str) -> str:
     """The session's PostgreSQL database, migrated once; each test empties the tables after itself."""
-    from hsx.db.migrate import upgrade
+    from hsx.server.db.migrate import upgrade
 
     upgrade(pg_server_url)
     return pg_server_url
@@ -83,7 +83,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A migrated, empty job table on each backend."""
     from sqlalchemy import text
 
-    from hsx.db.session import engine_for
+    from hsx.server.db.session import engine_for
 
     if request.param == "sqlite":
         path = tmp_path / "hsx.sqlite3"

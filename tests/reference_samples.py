@@ -1,5 +1,5 @@
 """The reference reading of sample numbering, for tests only: scan a dataset from its first byte and number
-its samples, with none of the byte-range planning that jobs use (hsx.ingest.records), so the two can be
+its samples, with none of the byte-range planning that jobs use (hsx.server.ingest.records), so the two can be
 compared. Sample ``i`` is the ``i``-th non-blank line of a JSONL file (blank: only spaces, tabs and line
 breaks; a UTF-8 byte order mark at the very start is no part of the first line), or element ``i`` of a JSON
 array.
@@ -11,8 +11,8 @@ import json
 import os
 from collections.abc import Iterator
 
-from hsx.ingest import RawSample, RecordFormat, detect_layout, load_array, normalize_record
-from hsx.ingest.errors import MALFORMED_JSON, SampleError
+from hsx.server.ingest import RawSample, RecordFormat, detect_layout, load_array, normalize_record
+from hsx.server.ingest.errors import MALFORMED_JSON, SampleError
 
 _BOM = b"\xef\xbb\xbf"
 
@@ -29,7 +29,8 @@ def _nonblank_lines(path: str | os.PathLike[str]) -> list[bytes]:
 
 
 def parse_line(line: bytes, record_format: RecordFormat = "auto") -> RawSample:
-    """One JSONL line as a chat sample (no pre-tokenized records: those are hsx.ingest.records' own)."""
+    """One JSONL line as a chat sample (no pre-tokenized records: those are hsx.server.ingest.records'
+    own)."""
     try:
         record = json.loads(line)
     except (ValueError, RecursionError) as exc:

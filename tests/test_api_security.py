@@ -42,7 +42,7 @@ def api(
 ) -> Iterator[tuple[Stack, str]]:
     """A stack (job table, Redis queue) and the real app served over HTTP on loopback."""
     from app.main import create_app
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     # No worker runs here: POST /verify (run on a worker) answers 504 after this wait instead of the default.
     stack = make_stack(
@@ -56,15 +56,15 @@ def api(
 def job_count(stack: Stack) -> int:
     from sqlalchemy import func, select
 
-    from hsx.db.models import Job
-    from hsx.db.session import session_scope
+    from hsx.server.db.models import Job
+    from hsx.server.db.session import session_scope
 
     with session_scope(stack.env["HSX_DATABASE_URL"]) as session:
         return int(session.scalar(select(func.count()).select_from(Job)) or 0)
 
 
 def queued(stack: Stack) -> int:
-    from hsx.jobs.queue import queue_for
+    from hsx.server.jobs.queue import queue_for
 
     return int(queue_for(stack.settings).count)
 
@@ -211,7 +211,7 @@ def recorder() -> Iterator[tuple[type[_Recorder], int]]:
 def stack_no_engine(
     db_url: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Stack]:
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     yield make_stack(db_url, redis_url, NO_ENGINE, tmp_path, monkeypatch)
     get_settings.cache_clear()
@@ -317,11 +317,11 @@ def test_a_redirect_to_a_private_address_is_refused(
     target: str,
     tmp_path: Path,
 ) -> None:
-    """A download happens in the worker that prepares the job (hsx.ingest.convert), never in the request; each
-    hop is judged there. The first hop must pass the address check for the redirect to be seen at all, and
-    the only server a test may reach is on loopback, which the check refuses: so the check lets that one
-    first hop through (once), and every later hop is judged for real, before any connection."""
-    from hsx.ingest import DatasetError, materialize, policy
+    """A download happens in the worker that prepares the job (hsx.server.ingest.convert), never in the
+    request; each hop is judged there. The first hop must pass the address check for the redirect to be seen
+    at all, and the only server a test may reach is on loopback, which the check refuses: so the check lets
+    that one first hop through (once), and every later hop is judged for real, before any connection."""
+    from hsx.server.ingest import DatasetError, materialize, policy
 
     stack = stack_no_engine
     handler, port = recorder
@@ -420,7 +420,7 @@ def test_fuzzing_the_spec_finds_no_server_error_and_no_off_spec_response(
 ) -> None:
     """Schemathesis' CLI against the app under uvicorn on loopback, with the token; bounded by examples."""
     from app.main import create_app
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     # File URIs only: a fuzzed http URI would send its host name to the resolver.
     stack = make_stack(

@@ -84,9 +84,9 @@ def test_a_body_not_declared_as_json_is_415_naming_the_header(stack: Stack) -> N
 
 
 def test_cancelling_a_finished_job_is_409_even_when_it_finishes_during_the_request(stack: Stack) -> None:
-    from hsx.db.models import JobState
-    from hsx.db.session import session_factory
-    from hsx.jobs import repository as repo
+    from hsx.server.db.models import JobState
+    from hsx.server.db.session import session_factory
+    from hsx.server.jobs import repository as repo
 
     url = stack.env["HSX_DATABASE_URL"]
     job_id = stack.submit(SHORT)["id"]
@@ -158,7 +158,7 @@ def test_server_errors_use_the_error_shape_and_name_the_database_problem(
     redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from app.main import create_app
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     # A database nobody migrated: what a user gets when `hsx api` runs elsewhere than `hsx db upgrade`.
     make_stack(
@@ -191,7 +191,7 @@ def test_a_path_outside_the_roots_names_the_roots_and_the_setting(stack: Stack) 
 
 
 def test_dataset_roots_take_a_plain_path_a_comma_list_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hsx.settings import Settings
+    from hsx.server.settings import Settings
 
     for value, expected in (
         ("/tmp/x", [Path("/tmp/x")]),
@@ -219,7 +219,7 @@ def test_a_plain_dataset_root_does_not_break_commands(tmp_path: Path) -> None:
 def test_default_dataset_roots_leave_out_a_broad_working_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hsx.settings import Settings
+    from hsx.server.settings import Settings
 
     monkeypatch.delenv("HSX_DATASET_ROOTS", raising=False)
     data_dir = tmp_path / "data"

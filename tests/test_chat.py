@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from hsx.ingest import ChatMessage
+from hsx.server.ingest import ChatMessage
 from tests.reference_samples import iter_samples
 from workers.chat import (
     NO_ASSISTANT_TOKENS,

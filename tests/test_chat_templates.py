@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from tokenizers import AddedToken
 
-from hsx.ingest import ChatMessage, SampleError, normalize_record
+from hsx.server.ingest import ChatMessage, SampleError, normalize_record
 from tests.chat_references import BOS, REFERENCES, SPECIAL_MARKERS
 from workers.chat import ChatEncoder
 

@@ -14,10 +14,10 @@ from typing import Any, Literal, get_args, get_origin
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from hsx.cli import build_parser
-from hsx.cli_options import add_model_flags, options_from_args
-from hsx.cli_progress import EXIT_REFUSED
-from hsx.job_options import JobOptions
+from hsx.cli.main import build_parser
+from hsx.cli.options import add_model_flags, options_from_args
+from hsx.cli.progress import EXIT_REFUSED
+from hsx.server.job_options import JobOptions
 from tests.fixtures.live_server import serve_in_thread
 from tests.fixtures.stack import REPO, Stack
 from tests.test_cli_watch import hsx

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx.cli_progress import (
+from hsx.cli.progress import (
     EXIT_ACTIVE,
     EXIT_CANCELLED,
     EXIT_FAILED,
@@ -203,6 +203,6 @@ def test_max_length_must_be_a_length_the_options_take(bad: str) -> None:
         timeout=60,
     )
     assert done.returncode == EXIT_REFUSED
-    # JobOptions' own bound (hsx/cli_options.py checks each flag against its field).
+    # JobOptions' own bound (hsx/cli/options.py checks each flag against its field).
     said = ("greater than or equal to 8", "whole number")
     assert "--max-length" in done.stderr and any(s in done.stderr for s in said), done.stderr

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hsx.settings import Settings
+from hsx.server.settings import Settings
 from tests.fixtures.stack import REPO
 
 COMPOSE = REPO / "docker-compose.yml"
@@ -101,7 +101,7 @@ def test_every_setting_a_service_gets_is_a_real_hsx_setting(
     for name, service in compose["services"].items():
         env = env_of(service)
         unknown = {k for k in env if k.startswith("HSX_")} - fields
-        assert not unknown, f"{name}: {sorted(unknown)} are not fields of hsx.settings.Settings"
+        assert not unknown, f"{name}: {sorted(unknown)} are not fields of hsx.server.settings.Settings"
         foreign = {k for k in env if not k.startswith("HSX_")} - FOREIGN_ENV.get(name, set())
         assert not foreign, f"{name}: unexpected environment {sorted(foreign)}"
     # And the values parse as the settings they name (lists as JSON, numbers as numbers).
@@ -119,7 +119,7 @@ def test_every_setting_a_service_gets_is_a_real_hsx_setting(
 
 
 def test_hsx_commands_parse_with_the_cli(compose: dict[str, Any]) -> None:
-    from hsx.cli import build_parser
+    from hsx.cli.main import build_parser
 
     parser = build_parser()
     for name in HSX_SERVICES:
@@ -213,12 +213,13 @@ def test_images_are_stages_of_the_dockerfiles(compose: dict[str, Any]) -> None:
     assert services["api"]["build"]["target"] == services["migrate"]["build"]["target"] == "api"
     assert services["worker"]["build"]["target"] == "worker"
     api_stage = (REPO / "docker/Dockerfile").read_text().split("AS api", 1)[1].split("\nFROM ", 1)[0]
-    # No worker extra and no torch wheel index: the API image installs the base requirements only.
-    assert "pip install . " in api_stage and "[worker]" not in api_stage and "TORCH_INDEX" not in api_stage
+    # The server extra, no worker extra and no torch wheel index: the API image installs no torch.
+    assert 'pip install ".[server]"' in api_stage
+    assert "[worker]" not in api_stage and "torch]" not in api_stage and "TORCH_INDEX" not in api_stage
 
 
 def test_the_api_imports_no_torch() -> None:
-    code = "import sys, app.main, hsx.cli_progress; sys.exit('torch' in sys.modules)"
+    code = "import sys, app.main, hsx.cli.progress; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=120).returncode == 0
 
 

@@ -95,7 +95,7 @@ def test_two_worker_processes_from_the_console_script_run_the_job_and_all_exit_o
 ) -> None:
     from rq import Worker
 
-    from hsx.jobs.queue import queue_for
+    from hsx.server.jobs.queue import queue_for
 
     dataset = write_pretokenized(tmp_path / "d.jsonl", [40] * 24)
     with console_worker(synthetic_stack, "--processes", "2") as parent:

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from hsx.ingest import DatasetError, SampleError, detect_layout, inspect_head, normalize_record
-from hsx.ingest import errors as codes
+from hsx.server.ingest import DatasetError, SampleError, detect_layout, inspect_head, normalize_record
+from hsx.server.ingest import errors as codes
 from tests.reference_samples import count_samples, iter_samples
 
 DATA = Path(__file__).resolve().parent.parent / "data"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from hsx.errors import BadRequest, Forbidden
-from hsx.ingest import (
+from hsx.server.ingest import (
     ForbiddenUri,
     InvalidUri,
     UriRefused,
@@ -31,8 +31,8 @@ from hsx.ingest import (
     is_public_address,
     resolve_dataset_uri,
 )
-from hsx.ingest.fetch import MAX_REDIRECTS
-from hsx.settings import Settings
+from hsx.server.ingest.fetch import MAX_REDIRECTS
+from hsx.server.settings import Settings
 
 ROWS = b'{"messages": [{"role": "user", "content": "hi"}]}\n' * 50
 

@@ -34,9 +34,9 @@ def test_entries_expire_and_can_be_forgotten() -> None:
 def test_polls_share_a_rendering_and_cancel_shows_at_once(
     stack: Stack, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
-    from hsx.settings import get_settings
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import repository as repo
+    from hsx.server.settings import get_settings
 
     monkeypatch.setenv("HSX_JOB_DOCUMENT_TTL_SECONDS", "30")
     get_settings.cache_clear()
@@ -130,11 +130,11 @@ def test_hsx_status_exits_with_the_state_of_a_job_that_ended_while_polls_got_the
     status`` (one look, whose exit code says whether the job is over) reads the job table."""
     import json
 
-    from hsx.cli import main
-    from hsx.cli_progress import EXIT_SUCCEEDED
-    from hsx.db.models import JobState
-    from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
+    from hsx.cli.main import main
+    from hsx.cli.progress import EXIT_SUCCEEDED
+    from hsx.server.db.models import JobState
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import repository as repo
     from tests.fixtures.jobs import running_job
     from tests.fixtures.live_server import serve_in_thread
     from tests.fixtures.stack import make_stack

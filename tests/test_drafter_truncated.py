@@ -63,8 +63,8 @@ def _script_module() -> ModuleType:
 @pytest.fixture(scope="module")
 def job_output(engine_nocache: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished hsx job over the chats, captured with the prefix cache off."""
-    from hsx.db.migrate import upgrade
-    from hsx.settings import get_settings
+    from hsx.server.db.migrate import upgrade
+    from hsx.server.settings import get_settings
 
     tmp = tmp_path_factory.mktemp("truncated-job")
     dataset = tmp / "chats.jsonl"
@@ -109,7 +109,7 @@ def _cosines(got: torch.Tensor, want: npt.NDArray[Any]) -> torch.Tensor:
 def test_truncated_features_sit_at_their_true_positions_only_in_the_aligned_folder(
     job_output: Path, bf16_cache_engine: tuple[str, str], tmp_path: Path
 ) -> None:
-    from hsx.engine_client import EngineClient
+    from hsx.engine.client import EngineClient
     from hsx.loader import OutputReader
 
     url, dump_dir = bf16_cache_engine

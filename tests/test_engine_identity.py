@@ -30,8 +30,8 @@ def owners(stack: Any, job_id: str) -> set[str]:
 
 
 def test_engines_report_a_fingerprint_and_a_context_length(engines: Engines, model_dir: Path) -> None:
-    from hsx.engine_client import EngineClient
-    from hsx.model_identity import model_fingerprint
+    from hsx.engine.client import EngineClient
+    from hsx.engine.model_identity import model_fingerprint
 
     one, same = engines.start(), engines.start()
     other = engines.start("--seed", "8", "--context-length", "99")
@@ -49,7 +49,7 @@ def test_engines_report_a_fingerprint_and_a_context_length(engines: Engines, mod
 def test_another_checkpoint_of_the_same_shape_never_takes_a_unit(
     db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hsx.verify import run_verification
+    from hsx.engine.verify import run_verification
 
     job_engine, other = engines.start(), engines.start("--seed", "8")
     stack = make_stack(db_url, redis_url, job_engine.url, tmp_path, monkeypatch)
@@ -68,7 +68,7 @@ def test_another_checkpoint_of_the_same_shape_never_takes_a_unit(
     fitness = next(c for c in report.checks if c.name == "job_fitness")
     assert not report.ok and not fitness.ok and "another checkpoint" in fitness.actual
     monkeypatch.setenv("HSX_ENGINE_URL", other.url)
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     get_settings.cache_clear()
     ready = settled_readyz(stack).json()
@@ -143,7 +143,7 @@ def test_a_prefix_cache_is_unfit_even_with_namespaces_and_readyz_says_why(
 def test_readyz_and_verify_say_why_an_engine_is_unfit(
     engines: Engines, tmp_path: Path, stack_factory: Callable[..., Any]
 ) -> None:
-    from hsx.verify import run_verification
+    from hsx.engine.verify import run_verification
 
     liar = engines.start("--reported-dtype", "float16")
     report = run_verification(liar.url)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsx.export import (
+from hsx.integrations.exports import (
     CHECKSUMS_FILE,
     REPORT_FILE,
     ExportDestinationTaken,
@@ -22,7 +22,7 @@ from hsx.export import (
     ExportOptions,
     export_output,
 )
-from hsx.export.specforge import vocab_mapping
+from hsx.integrations.specforge.export import vocab_mapping
 from hsx.loader import ChecksumMismatch, iter_samples
 from tests.fixtures.outputs import OutputSpec, write_output
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hsx.export import ExportError, ExportOptions, export_output
+from hsx.integrations.exports import ExportError, ExportOptions, export_output
 from hsx.loader import TorchSample, iter_samples
 from tests.conftest import REDIS_URL
 from tests.fixtures.engine import _stop, _wait_healthy, engine_url
@@ -52,7 +52,7 @@ class JobOutput:
 
 def run_job(engine_url: str, tmp: Path) -> JobOutput:
     """One job through the real stack (API, Redis, SQLite job table, a burst worker process)."""
-    from hsx.db.migrate import upgrade
+    from hsx.server.db.migrate import upgrade
 
     db_url = f"sqlite:///{tmp / 'hsx.sqlite3'}"
     upgrade(db_url)
@@ -65,7 +65,7 @@ def run_job(engine_url: str, tmp: Path) -> JobOutput:
             assert doc["state"] == "succeeded", (doc, stack.logs())
         finally:
             stack.stop_workers()
-            from hsx.settings import get_settings
+            from hsx.server.settings import get_settings
 
             get_settings.cache_clear()
     return JobOutput(Path(doc["output_dir"]), db_url, job["id"], engine_url)

@@ -201,7 +201,7 @@ def running(stack: Stack) -> Iterator[Stack]:
         yield stack
     finally:
         stack.stop_workers()  # every worker and horse it started, gone by pid
-        from hsx.settings import get_settings
+        from hsx.server.settings import get_settings
 
         get_settings.cache_clear()
 
@@ -216,9 +216,9 @@ def fast(
 
 def uninterrupted_output(engine: Any, tmp: Path, dataset: Path, total: int, per_shard: int) -> Output:
     """The output of an uninterrupted run of ``dataset``, by the real job runner in process (no worker)."""
-    from hsx.db.migrate import upgrade
-    from hsx.jobs.queue import queue_for
-    from hsx.settings import get_settings
+    from hsx.server.db.migrate import upgrade
+    from hsx.server.jobs.queue import queue_for
+    from hsx.server.settings import get_settings
     from workers.job_runner import JobRunner
 
     with pytest.MonkeyPatch.context() as mp:
@@ -350,7 +350,7 @@ def test_redis_wiped_mid_job_loses_nothing(
     baseline: Output,
     kept_port: int,
 ) -> None:
-    from hsx.local_stack import LocalStack, redis_reachable, redis_server_binary
+    from hsx.cli.local_stack import LocalStack, redis_reachable, redis_server_binary
 
     if redis_server_binary() is None:
         pytest.skip("no redis-server binary to run a private Redis")
@@ -426,7 +426,7 @@ def _private_postgres(port: int) -> Iterator[tuple[str, dict[str, str]]]:
 def test_postgres_restart_mid_job_completes(
     redis_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, baseline: Output
 ) -> None:
-    from hsx.db.migrate import upgrade
+    from hsx.server.db.migrate import upgrade
 
     script = [sys.executable, str(REPO / "scripts" / "embedded_services.py"), "restart-postgres"]
     with private_postgres() as (db_url, env):
@@ -450,7 +450,7 @@ def terminate_open_transactions(db_url: str) -> int:
     """Cut the connections of this database that are inside a transaction, as a restart would."""
     from sqlalchemy import text
 
-    from hsx.db.session import engine_for
+    from hsx.server.db.session import engine_for
 
     with engine_for(db_url).connect() as conn:
         return len(
@@ -470,8 +470,8 @@ def test_commit_retried_after_its_connection_drops_past_the_rename(
 ) -> None:
     """The connection dies between the shard's rename and the row commit: the commit is retried, and lands
     once. (In process, so that the drop happens at exactly that step: the fault hook cuts the connection.)"""
-    from hsx.faults import crash_point as real_crash_point
-    from hsx.settings import get_settings
+    from hsx.server.faults import crash_point as real_crash_point
+    from hsx.server.settings import get_settings
     from workers.job_runner import JobRunner
 
     db_url = fast.env["HSX_DATABASE_URL"]
@@ -518,8 +518,8 @@ def leftovers(directory: Path) -> list[str]:
 def test_disk_full_while_writing_a_shard_fails_the_job_clearly(
     db_url: str, redis_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hsx.jobs.queue import queue_for
-    from hsx.settings import get_settings
+    from hsx.server.jobs.queue import queue_for
+    from hsx.server.settings import get_settings
     from workers.reconciler import reconcile_once
 
     # The job is admitted without its size check: this is the disk filling up under a running job (another
@@ -557,7 +557,7 @@ def test_disk_full_while_writing_the_manifest_fails_the_job_clearly(
     db_url: str, redis_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """All units are committed, then the disk fills before the manifest is written."""
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
     from workers.reconciler import reconcile_once
 
     # Reconcile rarely: the job must still be unfinished when the disk has been filled.
@@ -610,9 +610,9 @@ def test_a_crash_at_each_step_recovers_to_the_same_output(
     reconciler joins once every crash has happened and, with the crashed workers, finishes the jobs."""
     from rq import Worker
 
-    from hsx.faults import POINTS
-    from hsx.jobs.queue import queue_for
-    from hsx.settings import get_settings
+    from hsx.server.faults import POINTS
+    from hsx.server.jobs.queue import queue_for
+    from hsx.server.settings import get_settings
 
     markers = {point: fast.tmp / f"crashed-{point}" for point in POINTS}
     queues = {point: f"{fast.env['HSX_QUEUE_NAME']}-{point}" for point in POINTS}
@@ -649,9 +649,9 @@ def _claimer(db_url: str, job_id: str, stall: bool, marks: str, results: Any) ->
     """A worker stripped to the lease protocol: claim, (maybe stall past the lease), commit fenced."""
     from sqlalchemy import update
 
-    from hsx.db.models import WorkUnit
-    from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
+    from hsx.server.db.models import WorkUnit
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import repository as repo
 
     owner = f"{socket.gethostname()}:{os.getpid()}"
     done: list[tuple[int, int, bool]] = []
@@ -686,8 +686,8 @@ def _claimer(db_url: str, job_id: str, stall: bool, marks: str, results: Any) ->
 
 
 def _race(db_url: str, tmp_path: Path, stall: bool) -> tuple[str, list[tuple[int, int, bool]]]:
-    from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import repository as repo
 
     per_unit, count = 4, 50
     job_id = running_job(db_url, tmp_path, units=count, per_unit=per_unit, dataset="race")
@@ -713,7 +713,7 @@ def _race(db_url: str, tmp_path: Path, stall: bool) -> tuple[str, list[tuple[int
     with session_scope(db_url) as session:
         from sqlalchemy import func, select
 
-        from hsx.db.models import Rejection, Shard
+        from hsx.server.db.models import Rejection, Shard
 
         assert session.scalar(select(func.count()).select_from(Shard).where(Shard.job_id == job_id)) == count
         keys = session.scalars(select(Shard.key).where(Shard.job_id == job_id)).all()

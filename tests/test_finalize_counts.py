@@ -19,8 +19,8 @@ def commit_one(db_url: str, job_id: str, out: Path) -> None:
     (the finalizer reads rows, never the files)."""
     import time
 
-    from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import repository as repo
 
     with session_scope(db_url) as session:
         unit = repo.claim_unit(session, job_id, "host:1@http://engine", 60, time.time())
@@ -35,10 +35,10 @@ def test_a_unit_committed_while_the_job_finalizes_is_counted_in_the_manifest(
 ) -> None:
     from sqlalchemy import update
 
-    from hsx.db.models import Job
-    from hsx.db.session import session_scope
-    from hsx.jobs import finalize, queries
-    from hsx.jobs import repository as repo
+    from hsx.server.db.models import Job
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import finalize, queries
+    from hsx.server.jobs import repository as repo
 
     out = tmp_path / "out"
     job_id = running_job(db_url, out, units=2)

@@ -21,8 +21,8 @@ ENGINE_A, ENGINE_B = "http://engine-a:8000", "http://engine-b:8000"
 def test_units_workers_and_engines_show_who_holds_what(
     db_url: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import repository as repo
 
     stack = make_stack(db_url, redis_url, DOWN_ENGINE, tmp_path, monkeypatch)
     job_id = running_job(db_url, tmp_path / "out", units=3)

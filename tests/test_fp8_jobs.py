@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hsx import fp8
-from hsx.export import export_output
+from hsx.integrations.exports import export_output
 from hsx.loader import iter_samples
 from hsx.torch_data import OutputDataset, collate_samples
 from tests.conftest import REDIS_URL
@@ -31,7 +31,7 @@ __all__ = ["synthetic_engine"]  # a fixture of tests/test_export_trainers.py, us
 
 
 def run_job(engine_url: str, tmp: Path, **options: Any) -> JobOutput:
-    from hsx.db.migrate import upgrade
+    from hsx.server.db.migrate import upgrade
 
     db_url = f"sqlite:///{tmp / 'hsx.sqlite3'}"
     upgrade(db_url)
@@ -45,7 +45,7 @@ def run_job(engine_url: str, tmp: Path, **options: Any) -> JobOutput:
             assert doc["options"]["state_dtype"] == options.get("state_dtype", "engine")
         finally:
             stack.stop_workers()
-            from hsx.settings import get_settings
+            from hsx.server.settings import get_settings
 
             get_settings.cache_clear()
     return JobOutput(Path(doc["output_dir"]), db_url, job["id"], engine_url)
@@ -184,7 +184,7 @@ def test_speculators_reader_loads_an_fp8_job(
 
 
 def test_verify_job_holds_an_fp8_job_to_the_documented_bound(fp8_job: JobOutput, engine_nocache: Any) -> None:
-    from hsx.verify import run_verification
+    from hsx.engine.verify import run_verification
 
     doc = {
         "id": fp8_job.job_id,
@@ -198,7 +198,7 @@ def test_verify_job_holds_an_fp8_job_to_the_documented_bound(fp8_job: JobOutput,
     assert all(c.actual.startswith("min cos 0.99") for c in fp8_checks)
 
     # A stored state that is not the engine's (here: another sample's scales swapped in) fails the check.
-    from hsx.verify_fp8 import token_errors
+    from hsx.engine.verify_fp8 import token_errors
 
     engine = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
     codes, scales = fp8.quantize_rows(engine, "F32")

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from hsx import contract, fp8, loader
+from hsx.engine.validation import NON_FINITE, SampleRejected
 from hsx.manifest import FP8_DTYPE, Manifest, ManifestError
 from hsx.torch_data import OutputDataset
-from hsx.validation import NON_FINITE, SampleRejected
 from tests.fixtures.v1_shards import (
     AUX,
     HIDDEN,

@@ -1,6 +1,6 @@
-"""One options model for the API, the job table and the workers (hsx/job_options.py): requests are strict,
-rows written by older versions (fields missing, nulls stored) are read with today's defaults, and the unit
-size has one name and one default (HSX_SAMPLES_PER_SHARD, with HSX_SAMPLES_PER_UNIT as an old alias)."""
+"""One options model for the API, the job table and the workers (hsx/server/job_options.py): requests are
+strict, rows written by older versions (fields missing, nulls stored) are read with today's defaults, and the
+unit size has one name and one default (HSX_SAMPLES_PER_SHARD, with HSX_SAMPLES_PER_UNIT as an old alias)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 
 
 def test_a_stored_row_of_an_older_version_takes_todays_defaults() -> None:
-    from hsx.job_options import JobOptions
+    from hsx.server.job_options import JobOptions
 
     old = {"max_length": None, "truncation": None, "format": "sharegpt", "a_removed_option": 1}
     options = JobOptions.from_stored(old, samples_per_shard=5)
@@ -36,7 +36,7 @@ def test_a_stored_row_of_an_older_version_takes_todays_defaults() -> None:
 
 
 def test_requests_stay_strict() -> None:
-    from hsx.job_options import JobOptions
+    from hsx.server.job_options import JobOptions
 
     for bad in ({"max_length": "100"}, {"chat_template": "yes"}, {"samples_per_shard": 0}, {"typo": 1}):
         with pytest.raises(ValidationError):
@@ -44,7 +44,7 @@ def test_requests_stay_strict() -> None:
 
 
 def test_the_unit_size_setting_has_one_name_and_reads_the_old_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hsx.settings import Settings
+    from hsx.server.settings import Settings
 
     monkeypatch.delenv("HSX_SAMPLES_PER_SHARD", raising=False)
     monkeypatch.delenv("HSX_SAMPLES_PER_UNIT", raising=False)
@@ -76,9 +76,9 @@ def test_a_job_left_without_a_unit_size_gets_the_deployments(
 
 def _old_row(stack: Stack, dataset: Path, options: dict[str, Any]) -> str:
     """A queued job as an older version wrote it, straight into the real job table."""
-    from hsx.db.models import Job, JobState
-    from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
+    from hsx.server.db.models import Job, JobState
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import repository as repo
 
     job_id = str(uuid.uuid4())
     with session_scope(stack.settings.resolved_database_url) as session:
@@ -103,7 +103,7 @@ def _old_row(stack: Stack, dataset: Path, options: dict[str, Any]) -> str:
 def test_a_worker_runs_a_job_row_written_by_an_older_version(
     db_url: str, redis_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
     from workers.job_runner import JobRunner
 
     stack = make_stack(db_url, redis_url, engine_nocache.url, tmp_path, monkeypatch, samples_per_shard="4")

@@ -33,7 +33,7 @@ CHATS = REPO / "data" / "sample_chats.jsonl"
 def runner(url: str, unchecked: bool = False, **overrides: Any) -> Any:
     """The job runner of a worker whose engine is at ``url`` (``unchecked``: let in past the preflight and
     the cache rule, see tests.fixtures.unchecked_runner)."""
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
     from tests.fixtures.unchecked_runner import UncheckedRunner
     from workers.job_runner import JobRunner
 
@@ -47,8 +47,8 @@ def runner(url: str, unchecked: bool = False, **overrides: Any) -> Any:
 def unit_rows(stack: Stack, job_id: str) -> list[dict[str, Any]]:
     from sqlalchemy import select
 
-    from hsx.db.models import WorkUnit
-    from hsx.db.session import session_scope
+    from hsx.server.db.models import WorkUnit
+    from hsx.server.db.session import session_scope
 
     with session_scope(stack.env["HSX_DATABASE_URL"]) as session:
         rows = session.scalars(
@@ -281,7 +281,7 @@ def test_a_brief_engine_outage_is_ridden_out_and_a_long_one_gives_the_unit_back(
 ) -> None:
     """The engine freezes (SIGSTOP) right after a unit is claimed: prefills time out. Back within the
     client's retries, the samples are sent again and nothing is lost; gone longer, the unit is released."""
-    from hsx.faults import crash_point as real_crash_point
+    from hsx.server.faults import crash_point as real_crash_point
 
     stack, engine = synth
     frozen: list[float] = []
@@ -325,9 +325,9 @@ def test_a_shard_written_after_its_lease_was_taken_is_removed_at_once(
 ) -> None:
     """The unit's shard is whole, but before the commit another worker takes the lease (this one was
     frozen past it): the attempt stops, and its staged shard goes with it, not at a later sweep."""
-    from hsx.db.session import session_scope
-    from hsx.faults import crash_point as real_crash_point
-    from hsx.jobs import repository as repo
+    from hsx.server.db.session import session_scope
+    from hsx.server.faults import crash_point as real_crash_point
+    from hsx.server.jobs import repository as repo
 
     stack, engine = synth
     job_id = stack.submit(write_pretokenized(stack.tmp / "d.jsonl", [30] * 2), samples_per_shard=2)["id"]
@@ -386,8 +386,8 @@ def test_retry_reruns_engine_side_rejections_and_publishes_each_sample_once(
 ) -> None:
     """A prefix-caching engine (let in on purpose) leaves cached_tokens rejections; a retry on a safe
     engine keeps those samples in a shard of their own and drops their rejections in the same commit."""
-    from hsx.db.session import session_scope
-    from hsx.jobs.repository import get_job
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs.repository import get_job
 
     # Conversations of their own (the cache engine is shared by the session): a system prompt they share
     # makes the cache hit, a tag no other test uses keeps other tests' prompts from hitting it.
@@ -443,9 +443,9 @@ def test_retry_reruns_engine_side_rejections_and_publishes_each_sample_once(
 
 def test_a_stale_attempt_can_neither_fail_the_job_nor_count_a_failure(db_url: str, tmp_path: Path) -> None:
     """``_fail`` acting for a unit checks the lease: an attempt whose lease was taken does nothing."""
-    from hsx.db.session import session_scope
-    from hsx.jobs import queries, recovery
-    from hsx.jobs import repository as repo
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import queries, recovery
+    from hsx.server.jobs import repository as repo
 
     job_id = running_job(db_url, tmp_path, units=1)
     now = time.time()
@@ -470,9 +470,9 @@ def test_migrations_match_the_models(tmp_path: Path) -> None:
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
-    from hsx.db.migrate import downgrade, upgrade
-    from hsx.db.models import Base
-    from hsx.db.session import engine_for
+    from hsx.server.db.migrate import downgrade, upgrade
+    from hsx.server.db.models import Base
+    from hsx.server.db.session import engine_for
 
     url = f"sqlite:///{tmp_path / 'm.sqlite3'}"
     upgrade(url)
@@ -489,7 +489,7 @@ def test_migrations_match_the_models(tmp_path: Path) -> None:
 )
 def test_a_reply_without_cached_tokens_makes_the_engine_unfit_not_zero(reply: dict[str, Any]) -> None:
     """Without the count, a prefix-cache hit could not be told from a full prefill: never read as 0."""
-    from hsx.engine_client import EngineUnfit
+    from hsx.engine.client import EngineUnfit
     from workers.unit_processor import reported_cached_tokens
 
     with pytest.raises(EngineUnfit, match="cached_tokens"):

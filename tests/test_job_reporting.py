@@ -26,7 +26,7 @@ postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def synth(
     db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[Stack, Synthetic]]:
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     engine = engines.start("--tokenizer", "default", "--context-length", "4096")
     stack = make_stack(db_url, redis_url, engine.url, tmp_path, monkeypatch, heartbeat_seconds="0.2")
@@ -145,7 +145,7 @@ def test_max_length_past_the_engine_context_and_other_aux_layers_are_refused_at_
 def test_progress_and_eta_move_before_a_single_unit_job_commits(
     synth: tuple[Stack, Synthetic], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hsx.faults import crash_point as real_crash_point
+    from hsx.server.faults import crash_point as real_crash_point
 
     stack, engine = synth
     job_id = stack.submit(write_pretokenized(stack.tmp / "d.jsonl", [20] * 6), samples_per_shard=6)["id"]
@@ -237,7 +237,7 @@ def test_a_job_that_cannot_fit_is_refused_with_the_figures(
 
 
 def test_record_ids_are_read_from_records_and_from_broken_lines() -> None:
-    from hsx.ingest import parse_record_with_id
+    from hsx.server.ingest import parse_record_with_id
 
     assert parse_record_with_id(b'{"id": "a-1", "input_ids": [5, 6]}')[1] == "a-1"
     assert parse_record_with_id(b'{"conversation_id": 12, "messages": []}')[1] == "12"

@@ -96,7 +96,7 @@ def test_invalid_submissions_are_refused_and_nothing_is_queued(
     assert resp.json()["error"] == code, resp.json()
     assert resp.json()["detail"]
     assert stack.client.get("/jobs").json()["total"] == 0
-    from hsx.jobs.queue import queue_for
+    from hsx.server.jobs.queue import queue_for
 
     assert queue_for(stack.settings).count == 0
 
@@ -171,7 +171,7 @@ def test_truncated_states_never_reach_a_shard_when_preflight_is_bypassed(
     db_url: str, redis_url: str, engine_cache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The cache-on engine really truncates prompts that share a prefix; validation must catch every one."""
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
     from tests.fixtures.unchecked_runner import UncheckedRunner
 
     s = make_stack(db_url, redis_url, engine_cache.url, tmp_path, monkeypatch, engine_fleet="true")

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hsx.local_stack import wait_http, wait_port_file
-from hsx.logging_setup import ContextFilter, Redactor, StructuredFormatter, log_context
+from hsx.cli.local_stack import wait_http, wait_port_file
+from hsx.server.logging_setup import ContextFilter, Redactor, StructuredFormatter, log_context
 from tests.fixtures.stack import REPO
 
 # Fixed, not random: test ids carry it, and xdist needs the same ids in every process.

@@ -24,7 +24,7 @@ def stack_on(
     db_url: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[object]:
     """``stack_on(engine)``: a stack whose jobs run on that engine; a worker waits 3 s for a dump."""
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     stacks: list[Stack] = []
 

@@ -158,7 +158,7 @@ def test_telemetry_never_raises_and_keeps_totals_while_redis_is_away(redis_url: 
 
     from redis import Redis
 
-    from hsx import telemetry
+    from hsx.server import telemetry
     from tests.fixtures.ports import refused_port
 
     namespace = f"hsx-test-{uuid.uuid4().hex[:10]}"
@@ -182,7 +182,7 @@ def test_telemetry_never_raises_and_keeps_totals_while_redis_is_away(redis_url: 
 def test_scrape_reports_an_unreachable_redis_and_still_shows_the_job_table(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
     from tests.fixtures.ports import refused_port
 
     stack.submit(SAMPLE)
@@ -207,7 +207,7 @@ def test_failed_wakeups_count_only_what_really_failed(synthetic_stack: Stack) ->
     """A work horse killed mid-unit leaves its wake-up in RQ's failed registry, yet nothing failed: the
     unit is run again and the job succeeds. Only a wake-up whose function raised counts as failed."""
     stack = synthetic_stack
-    from hsx.jobs.queue import EXTRACTION_TASK, queue_for
+    from hsx.server.jobs.queue import EXTRACTION_TASK, queue_for
 
     job = stack.submit(SAMPLE, samples_per_shard=2)
     crash = {"HSX_CRASH_AT": "mid_unit", "HSX_CRASH_ONCE_FILE": str(stack.tmp / "crashed")}

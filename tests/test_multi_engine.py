@@ -35,9 +35,9 @@ def test_two_engine_worker_pairs_share_one_job(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from hsx.db.session import session_scope
-    from hsx.jobs.queries import done_units_by_engine
     from hsx.loader import iter_samples
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs.queries import done_units_by_engine
 
     stack = make_stack(db_url, redis_url, engine_nocache.url, tmp_path, monkeypatch)
     rows = [line for line in SAMPLE.read_text().splitlines() if line.strip()]

@@ -92,10 +92,10 @@ def test_finalizing_a_job_writes_its_engines_layout_into_the_manifest(db_url: st
 
     from sqlalchemy import update
 
-    from hsx.db.models import Job
-    from hsx.db.session import session_scope
-    from hsx.jobs import finalize
-    from hsx.jobs import repository as repo
+    from hsx.server.db.models import Job
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import finalize
+    from hsx.server.jobs import repository as repo
 
     out = tmp_path / "out"
     job_id = running_job(db_url, out, units=1)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hsx.ingest import (
+from hsx.server.ingest import (
     DatasetError,
     Pretokenized,
     SampleError,
@@ -24,10 +24,10 @@ from hsx.ingest import (
     prepare,
     read_unit,
 )
-from hsx.ingest import errors as codes
-from hsx.ingest.errors import DATASET_CHANGED
-from hsx.ingest.inspection import SMALL_ARRAY_BYTES
-from hsx.ingest.records import local_records
+from hsx.server.ingest import errors as codes
+from hsx.server.ingest.errors import DATASET_CHANGED
+from hsx.server.ingest.inspection import SMALL_ARRAY_BYTES
+from hsx.server.ingest.records import local_records
 from tests.reference_samples import count_samples, iter_samples, parse_line
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -325,7 +325,7 @@ def test_inspect_head_reads_only_the_head(tmp_path: Path) -> None:
         f"""
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-        from hsx.ingest import inspect_head
+        from hsx.server.ingest import inspect_head
         print(inspect_head({str(sparse)!r}, 1 << 40))
         """
     )

@@ -1,4 +1,5 @@
-"""A Redis that hangs costs each call a stated time, never minutes (issue 33, item 4; hsx/redis_clients.py).
+"""A Redis that hangs costs each call a stated time, never minutes (issue 33, item 4;
+hsx/server/redis_clients.py).
 
 Short calls (an announce, a room token, a wake-up) give up after ``HSX_REDIS_TIMEOUT_SECONDS`` even in a
 process where RQ's ``Worker`` has raised the socket timeout of the connections it was handed to 415 s;
@@ -28,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from hsx.settings import Settings
+from hsx.server.settings import Settings
 from tests.fixtures.stack import Stack, make_stack
 from tests.fixtures.synthetic import write_pretokenized
 
@@ -53,7 +54,7 @@ class PrivateRedis:
 
 @pytest.fixture
 def private_redis() -> Iterator[PrivateRedis]:
-    from hsx.local_stack import redis_reachable, redis_server_binary
+    from hsx.cli.local_stack import redis_reachable, redis_server_binary
 
     binary = redis_server_binary()
     if binary is None:
@@ -89,7 +90,7 @@ def as_a_worker_process(settings: Settings) -> list[Any]:
     """What a worker process has done to its Redis connections before any of its calls: made its RQ
     worker (``hsx worker``'s own way) and counted idle workers, which builds RQ ``Worker`` objects on the
     short calls' connection. Returns the registered workers, to be unregistered at the end."""
-    from hsx.jobs.queue import idle_workers
+    from hsx.server.jobs.queue import idle_workers
     from workers.worker_main import new_worker
 
     worker = new_worker(settings)
@@ -127,7 +128,7 @@ def test_a_room_wait_longer_than_a_short_call_ends_on_its_own_terms(
 ) -> None:
     """12 s, in a process with no RQ worker: the wait is the server's, not a socket timeout's (on the short
     calls' pool a wait past 10 s ended in a Redis timeout and a warning, and a longer setting was cut)."""
-    from hsx.streams.room import wait_for_room
+    from hsx.server.streams.room import wait_for_room
 
     settings = Settings(redis_url=redis_url, queue_name=f"hsx-test-room-{uuid.uuid4().hex[:8]}")
     with caplog.at_level(logging.WARNING):
@@ -142,8 +143,8 @@ def test_a_room_wait_longer_than_a_short_call_ends_on_its_own_terms(
 def test_waits_on_a_redis_that_hangs_end_within_their_wait_and_the_bound(
     private_redis: PrivateRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from hsx.streams import news
-    from hsx.streams.room import wait_for_room
+    from hsx.server.streams import news
+    from hsx.server.streams.room import wait_for_room
 
     settings = settings_on(private_redis.url)
     workers = as_a_worker_process(settings)
@@ -183,10 +184,10 @@ def test_a_worker_process_short_calls_return_within_the_bound_while_redis_hangs(
 ) -> None:
     from redis.exceptions import TimeoutError as RedisTimeout
 
-    from hsx.jobs.queue import enqueue_wakeups, wake_idle_workers
-    from hsx.redis_clients import redis_connection
-    from hsx.streams.news import announce
-    from hsx.streams.room import signal_room
+    from hsx.server.jobs.queue import enqueue_wakeups, wake_idle_workers
+    from hsx.server.redis_clients import redis_connection
+    from hsx.server.streams.news import announce
+    from hsx.server.streams.room import signal_room
 
     settings = settings_on(private_redis.url)
     workers = as_a_worker_process(settings)
@@ -226,7 +227,7 @@ def hang_stack(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[tuple[Stack, PrivateRedis]]:
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     stack = make_stack(
         db_url,
@@ -280,7 +281,7 @@ def test_a_job_submitted_while_redis_hangs_runs_once_it_answers(
     worker's reconciler meets the hang and goes on, and once Redis answers the worker takes the job."""
     from rq import Worker
 
-    from hsx.jobs.queue import queue_for
+    from hsx.server.jobs.queue import queue_for
 
     stack, redis = hang_stack
     worker = stack.start_worker()

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hsx import contract
-from hsx.dumps import Dump, as_float32, read_dump
-from hsx.settings import Settings
+from hsx.engine.dumps import Dump, as_float32, read_dump
+from hsx.server.settings import Settings
 from tests.fixtures.engine import RunningEngine, captured_rid, unique_prompt
 from workers.engines.model_store import DEFAULT_MODEL, convert_gguf, resolve_model_dir
 from workers.engines.reference.cli import build_parser

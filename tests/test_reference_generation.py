@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from hsx import contract
-from hsx.dumps import read_dump
-from hsx.engine_client import EngineRejected
-from hsx.regenerate import engine_contract
-from hsx.regenerate.engine_contract import GenerationParams, generation_rid
+from hsx.engine import regenerate_contract as engine_contract
+from hsx.engine.client import EngineRejected
+from hsx.engine.dumps import read_dump
+from hsx.engine.regenerate_contract import GenerationParams, generation_rid
 from tests.fixtures.engine import RunningEngine, captured_rid, unique_prompt
 from workers.reference_check import compare_with_transformers, transformers_greedy
 

@@ -88,8 +88,8 @@ def download(stack: Stack, job_id: str) -> list[dict[str, Any]]:
 def kept_rows(db_url: str, job_id: str) -> dict[int, Any]:
     from sqlalchemy import select
 
-    from hsx.db.regenerate_models import RegeneratedSample
-    from hsx.db.session import session_scope
+    from hsx.server.db.regenerate_models import RegeneratedSample
+    from hsx.server.db.session import session_scope
 
     with session_scope(db_url) as session:
         rows = session.scalars(select(RegeneratedSample).where(RegeneratedSample.job_id == job_id))
@@ -100,7 +100,7 @@ def kept_rows(db_url: str, job_id: str) -> dict[int, Any]:
 
 
 def test_the_option_is_off_by_default_and_strict() -> None:
-    from hsx.job_options import JobOptions
+    from hsx.server.job_options import JobOptions
 
     assert JobOptions().regenerate is None
     options = JobOptions.model_validate({"regenerate": {"turns": "last", "temperature": 1, "seed": 3}})
@@ -152,8 +152,8 @@ def test_max_new_tokens_that_leave_no_room_for_a_prompt_make_the_engine_unfit() 
     """What the issue's new user met: 32,768 new tokens against an 8,192-token context (every generation
     refused, every sample generation_rejected). The worker's gate, hsx verify --job and POST /jobs apply
     the same check."""
-    from hsx import engine_fitness
     from hsx.contract import EngineInfo
+    from hsx.engine import fitness as engine_fitness
 
     info = EngineInfo("synthetic", "m", 8, 64, "bfloat16", [1, 3, 4], [2, 4, 5, 8], "/d", False)
     info.context_length = 8192
@@ -202,7 +202,7 @@ def test_a_regenerate_job_that_cannot_keep_a_sample_is_a_422_at_submit(
 
 def engine_turns(client: Any, max_new_tokens: int) -> Any:
     """The worker's turn generator over a real engine: greedy, as the stage asks."""
-    from hsx.regenerate.engine_contract import GenerationParams
+    from hsx.engine.regenerate_contract import GenerationParams
     from workers.regeneration.turns import GeneratedTurn
 
     def generate(prompt: list[int], turn: int) -> GeneratedTurn:
@@ -217,8 +217,8 @@ def engine_turns(client: Any, max_new_tokens: int) -> Any:
 def test_under_last_the_earlier_turns_are_kept_and_masked_as_in_any_job(
     tokenizer: Any, engine_nocache: Any
 ) -> None:
-    from hsx.engine_client import EngineClient
-    from hsx.job_options import RegenerateOptions
+    from hsx.engine.client import EngineClient
+    from hsx.server.job_options import RegenerateOptions
     from workers.chat import ChatEncoder
     from workers.regeneration.turns import TurnRegenerator
 
@@ -241,8 +241,8 @@ def test_under_last_the_earlier_turns_are_kept_and_masked_as_in_any_job(
 def test_a_turn_stopped_on_max_new_tokens_is_kept_and_counted_or_dropped(
     tokenizer: Any, engine_nocache: Any
 ) -> None:
-    from hsx.engine_client import EngineClient
-    from hsx.job_options import RegenerateOptions
+    from hsx.engine.client import EngineClient
+    from hsx.server.job_options import RegenerateOptions
     from workers.regeneration.turns import GENERATION_LENGTH, RegenerateError, TurnRegenerator
 
     conversation = [{"role": "user", "content": "Tell me a long story about a dragon."}]
@@ -266,8 +266,8 @@ def test_a_turn_stopped_on_max_new_tokens_is_kept_and_counted_or_dropped(
 def test_a_regenerate_job_captures_the_engines_own_ids_and_its_dataset_recaptures_bit_for_bit(
     stack: Stack, tmp_path: Path
 ) -> None:
-    from hsx.engine_client import EngineClient
-    from hsx.regenerate.engine_contract import GenerationParams
+    from hsx.engine.client import EngineClient
+    from hsx.engine.regenerate_contract import GenerationParams
 
     dataset = write_rows(tmp_path / "rows.jsonl", ROWS)
     regenerate = {"max_new_tokens": 6, "temperature": 0.0}
@@ -326,7 +326,7 @@ def test_a_regenerate_job_captures_the_engines_own_ids_and_its_dataset_recapture
     # The download (through the CLI, over real HTTP), submitted again without regenerate, captures the same
     # ids and masks bit for bit.
     from app.main import create_app
-    from hsx.cli import main as hsx_main
+    from hsx.cli.main import main as hsx_main
 
     again_path = tmp_path / "regenerated.jsonl"
     with serve_in_thread(create_app()) as api:
@@ -397,7 +397,7 @@ def test_a_worker_killed_between_generation_and_capture_leaves_the_kept_text_to_
         assert doc["regenerate"]["samples_regenerated"] + doc["progress"]["samples_rejected"] == 4
     finally:
         stack.stop_workers()
-        from hsx.settings import get_settings
+        from hsx.server.settings import get_settings
 
         get_settings.cache_clear()
 
@@ -409,9 +409,9 @@ def test_metrics_show_what_running_regenerate_jobs_generate(
     """The generation rate beside the capture's: kept texts' tokens over the time the job has run."""
     from datetime import datetime, timedelta, timezone
 
-    from hsx.db.models import Job, JobState, WorkUnit
-    from hsx.db.regenerate_models import RegeneratedSample
-    from hsx.db.session import session_scope
+    from hsx.server.db.models import Job, JobState, WorkUnit
+    from hsx.server.db.regenerate_models import RegeneratedSample
+    from hsx.server.db.session import session_scope
 
     stack = make_stack(db_url, redis_url, engine_synthetic.url, tmp_path, monkeypatch)
     with session_scope(db_url) as session:
@@ -454,7 +454,7 @@ def test_a_regenerate_job_reads_parquet_from_s3_keeps_fp8_states_streams_and_pub
     Parquet dataset in the object store, fp8 states, consume retention, the output published to the store
     (synthetic engine: no model value is checked here)."""
     datasets = pytest.importorskip("datasets", reason="the interop extra provides datasets for the fixture")
-    from hsx.db.migrate import upgrade
+    from hsx.server.db.migrate import upgrade
     from tests.conftest import REDIS_URL
 
     chats = REPO / "tests" / "data" / "short_chats.jsonl"

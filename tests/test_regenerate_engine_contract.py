@@ -1,4 +1,4 @@
-"""The generation contract (hsx.regenerate.engine_contract) and the worker's client of it: what a request
+"""The generation contract (hsx.engine.regenerate_contract) and the worker's client of it: what a request
 says, what a reply must hold, and which error each engine answer becomes."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from hsx import contract
-from hsx.engine_client import EngineClient, EngineRejected, EngineUnfit
-from hsx.regenerate import engine_contract
-from hsx.regenerate.engine_contract import (
+from hsx.engine import regenerate_contract as engine_contract
+from hsx.engine.client import EngineClient, EngineRejected, EngineUnfit
+from hsx.engine.regenerate_contract import (
     Generation,
     GenerationParamError,
     GenerationParams,

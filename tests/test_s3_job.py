@@ -29,7 +29,7 @@ def test_an_s3_parquet_dataset_gives_the_jsonl_samples_and_the_output_lands_in_s
     engine_synthetic: Any, s3_bucket: S3Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     datasets = pytest.importorskip("datasets", reason="the interop extra provides datasets for the fixture")
-    from hsx.db.migrate import upgrade
+    from hsx.server.db.migrate import upgrade
 
     parquet = tmp_path / "chats.parquet"
     datasets.Dataset.from_json(str(MULTI_TURN), cache_dir=str(tmp_path / "hf")).to_parquet(str(parquet))
@@ -83,7 +83,7 @@ def store_settings(bucket: S3Bucket, **more: str) -> dict[str, str]:
 def run_units(engine_url: str, job_id: str, units: int) -> Any:
     """A work horse's own loop, in this process, stopped after ``units`` units: a point the test chooses
     at which the job is still running."""
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
     from workers.job_runner import JobRunner
 
     return JobRunner(job_id, get_settings().model_copy(update={"engine_url": engine_url})).run(units)
@@ -260,7 +260,7 @@ def test_a_worker_killed_mid_upload_publishes_nothing_half_written_and_the_job_s
     Nothing is under the shard's key (an S3 object appears whole or not at all), only an unfinished
     multipart upload; the reconciler finds the committed, unpublished shard, continues that upload
     (reusing the part sent), puts the manifest last, and the job succeeds with every object confirmed."""
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
     from workers.reconciler import reconcile_once
 
     engine = engines.start()
@@ -292,7 +292,7 @@ def test_a_worker_killed_mid_upload_publishes_nothing_half_written_and_the_job_s
     leases = f"/jobs/{job_id}/consumers/{reader}/leases"
     assert stack.client.post(leases, json={"max_items": 9}).json()["items"] == []
 
-    with caplog.at_level("INFO", logger="hsx.jobs"):
+    with caplog.at_level("INFO", logger="hsx.server.jobs"):
         reconcile_once(get_settings())
     doc = stack.job(job_id)
     assert doc["state"] == "succeeded", (doc, stack.logs(), caplog.text)

@@ -22,7 +22,7 @@ from pydantic import BaseModel, SecretStr
 from app.deps import settings_dep
 from app.security import BodySizeLimitMiddleware, require_token, serving_refusal
 from hsx.errors import HsxError
-from hsx.settings import Settings
+from hsx.server.settings import Settings
 from tests.fixtures.live_server import serve_in_thread
 from tests.fixtures.stack import REPO
 
@@ -297,7 +297,7 @@ def test_forwarded_requests_are_not_local_unless_proxies_are_trusted(serve: Call
 
 
 def test_hsx_api_ignores_forwarded_headers_by_default(tmp_path: Path) -> None:
-    from hsx.local_stack import wait_port_file
+    from hsx.cli.local_stack import wait_port_file
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
     env["HSX_DATABASE_URL"] = f"sqlite:///{tmp_path / 'unmigrated.sqlite3'}"

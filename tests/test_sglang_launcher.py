@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from hsx import contract
-from hsx.regenerate import engine_contract
+from hsx.engine import regenerate_contract as engine_contract
 from workers.engines.sglang import launcher
 from workers.engines.sglang.config import (
     ENV_FINAL_STATE,

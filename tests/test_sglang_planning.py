@@ -6,7 +6,7 @@ from array import array
 from typing import Any
 
 from hsx import contract
-from hsx.regenerate.engine_contract import generation_rid
+from hsx.engine.regenerate_contract import generation_rid
 from workers.engines.sglang.planning import Planner, ReqState
 
 

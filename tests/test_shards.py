@@ -20,11 +20,11 @@ import numpy.typing as npt
 import pytest
 
 from hsx import contract, loader, safetensors_io
-from hsx.dumps import open_dump
+from hsx.engine.dumps import open_dump
+from hsx.engine.validation import NON_FINITE, SampleRejected
 from hsx.layout import shard_data_sha256 as data_sha256
 from hsx.manifest import Manifest, ManifestError, relative_shard_path
 from hsx.safetensors_io import encode_header, read_file
-from hsx.validation import NON_FINITE, SampleRejected
 from tests.fixtures.v1_shards import (
     AUX,
     FINAL,

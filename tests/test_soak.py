@@ -73,7 +73,7 @@ def write_soak_dataset(path: Path) -> Path:
 def test_soak_two_thousand_samples_ten_kills_nothing_lost_or_doubled(
     db_url: str, redis_url: str, engine_nocache: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hsx.ingest import SampleError
+    from hsx.server.ingest import SampleError
     from tests.reference_samples import iter_samples
 
     dataset = write_soak_dataset(tmp_path / "soak.jsonl")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hsx.ingest import (
+from hsx.server.ingest import (
     SOURCE_FILE,
     DatasetError,
     Pretokenized,
@@ -22,7 +22,7 @@ from hsx.ingest import (
     parse_record,
     without_nulls,
 )
-from hsx.settings import Settings
+from hsx.server.settings import Settings
 from tests.fixtures.s3 import S3Bucket
 
 datasets = pytest.importorskip("datasets", reason="the interop extra provides datasets for these fixtures")

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-from hsx.local_stack import LocalStack, hsx_command, redis_server_binary, wait_http, wait_port_file
+from hsx.cli.local_stack import LocalStack, hsx_command, redis_server_binary, wait_http, wait_port_file
 from tests.fixtures.ports import reserved_ports
 from tests.test_specforge_stream import MOONCAKE_MISSING
 
@@ -43,7 +43,7 @@ def _target_dir(tmp: Path) -> Path:
     same beside its converted target)."""
     from safetensors import safe_open
 
-    from hsx.settings import Settings
+    from hsx.server.settings import Settings
     from workers.engines.model_store import resolve_model_dir
 
     cache = Path(os.environ.get("HSX_MODEL_CACHE_DIR") or REPO / ".hsx" / "models")
@@ -60,7 +60,7 @@ def _target_dir(tmp: Path) -> Path:
 
 
 def _inputs(tmp: Path) -> dict[str, str]:
-    from hsx.export.specforge import vocab_mapping
+    from hsx.integrations.specforge.export import vocab_mapping
 
     draft = json.loads((REPO / "scripts" / "device" / "drafter" / "draft.json").read_text())
     draft["draft_vocab_size"] = 512

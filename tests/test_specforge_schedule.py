@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from hsx.streams import specforge_layout as layout
-from hsx.streams.specforge_cli import resolve_target
-from hsx.streams.specforge_feeder import SpecForgeFeeder
-from hsx.streams.specforge_schedule import (
+from hsx.integrations.specforge import feed_layout as layout
+from hsx.integrations.specforge.feed_args import resolve_target
+from hsx.integrations.specforge.feeder import SpecForgeFeeder
+from hsx.integrations.specforge.schedule import (
     TrainerConfigError,
     read_trainer_config,
     schedule_path,

@@ -58,7 +58,7 @@ class FeederThread:
     def __init__(
         self, api: str, job_id: str, tmp: Path, window: int, stop_after: int | None = None, sink: Any = None
     ) -> None:
-        from hsx.streams.specforge_feeder import SpecForgeFeeder
+        from hsx.integrations.specforge.feeder import SpecForgeFeeder
 
         self.feeder = SpecForgeFeeder(
             api_url=api,
@@ -241,7 +241,7 @@ def test_specforge_reads_a_running_job_with_every_tensor_as_hsx_wrote_it(
     if backend == "mooncake":
         from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
 
-        from hsx.streams.specforge_mooncake import MooncakeFeatures, MooncakeSetup
+        from hsx.integrations.specforge.mooncake import MooncakeFeatures, MooncakeSetup
 
         kw = request.getfixturevalue("mooncake_master")
         setup = MooncakeSetup(kw["master_server_addr"], kw["metadata_server"], segment_bytes=64 << 20)
@@ -391,7 +391,7 @@ def test_our_channel_and_files_are_what_specforge_reads_and_we_read_its_sidecars
     from specforge.runtime.data_plane.disaggregated import SharedDirFeatureStore
     from specforge.runtime.data_plane.streaming_ref_channel import StreamingRefChannel
 
-    from hsx.streams import specforge_layout as layout
+    from hsx.integrations.specforge import feed_layout as layout
 
     ours = layout.RefChannel(tmp_path / "refs.jsonl")
     features = layout.FeatureDir(tmp_path / "features", STORE_ID)

@@ -31,7 +31,7 @@ SAMPLES, TOKENS, PER_SHARD = 6, 40, 2
 def split(
     db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[Stack, Synthetic]]:
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     engine = engines.start()
     made = make_stack(
@@ -48,7 +48,7 @@ def split(
 def blind_api(hidden: list[Path], port_file: Path) -> list[str]:
     """``hsx api`` in a mount namespace where every path of ``hidden`` is an empty read-only tmpfs, on a port
     it binds itself and writes to ``port_file``."""
-    from hsx.local_stack import hsx_command
+    from hsx.cli.local_stack import hsx_command
 
     mounts = " && ".join(
         f"mount -t tmpfs -o size=1m,mode=0555 hsx-elsewhere {shlex.quote(str(p))}" for p in hidden
@@ -60,7 +60,7 @@ def blind_api(hidden: list[Path], port_file: Path) -> list[str]:
 def test_submit_poll_stream_export_and_verify_with_an_api_that_sees_no_output_and_no_dumps(
     split: tuple[Stack, Synthetic],
 ) -> None:
-    from hsx.local_stack import local_stack, wait_http, wait_port_file
+    from hsx.cli.local_stack import local_stack, wait_http, wait_port_file
 
     stack, engine = split
     if not can_unshare():
@@ -138,7 +138,7 @@ def test_submit_poll_stream_export_and_verify_with_an_api_that_sees_no_output_an
 def test_verify_with_no_worker_says_why_instead_of_hanging(
     db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     engine = engines.start()
     stack = make_stack(db_url, redis_url, engine.url, tmp_path, monkeypatch, verify_wait_seconds="1")
@@ -149,7 +149,7 @@ def test_verify_with_no_worker_says_why_instead_of_hanging(
         assert answer.json()["error"] == "verify_unanswered" and "no worker" in answer.json()["detail"]
         assert time.monotonic() - started < 10
         # The check was taken back: a worker that starts later does not run it for nobody.
-        from hsx.jobs.queue import queue_for
+        from hsx.server.jobs.queue import queue_for
 
         assert queue_for(get_settings()).count == 0
     finally:
@@ -161,7 +161,7 @@ def test_verify_with_reference_matches_the_dumped_values_on_the_worker(
 ) -> None:
     """Where a reference can run (the reference engine's model, on the worker's disk), ``?reference=true``
     also holds every dumped state to a transformers forward of the same tokens."""
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     stack = make_stack(
         db_url, redis_url, engine_nocache.url, tmp_path, monkeypatch, verify_wait_seconds="240"

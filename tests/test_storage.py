@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from hsx.loader import iter_samples
-from hsx.settings import Settings
-from hsx.storage import OutputBucketNotAllowed, OutputUriRefused, StorageError, UploadEvent, upload_output
-from hsx.storage.upload import ObjectReport
+from hsx.s3 import StorageError
+from hsx.server.settings import Settings
+from hsx.server.storage import OutputBucketNotAllowed, OutputUriRefused, UploadEvent, upload_output
+from hsx.server.storage.upload import ObjectReport
 from tests.fixtures.outputs import OutputSpec, write_output
 from tests.fixtures.s3 import MIN_PART_BYTES, S3Bucket
 
@@ -127,8 +128,8 @@ def test_refusals(s3_bucket: S3Bucket, output: Path, tmp_path: Path) -> None:
 KILLER = textwrap.dedent(
     """
     import os, signal, sys
-    from hsx.settings import Settings
-    from hsx.storage import upload_output
+    from hsx.server.settings import Settings
+    from hsx.server.storage import upload_output
 
     output_dir, uri, victim, after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 
@@ -182,7 +183,7 @@ def test_two_publishers_of_one_shard_both_succeed_with_one_whole_object(
     second continues the first's multipart upload and completes it, the first then finds its upload gone
     and the object confirmed, and both succeed. A destination holding another output's manifest refuses a
     shard that is not there yet."""
-    from hsx.storage.publish import put_manifest, put_shard
+    from hsx.server.storage.publish import put_manifest, put_shard
 
     settings = settings_for(s3_bucket, tmp_path)
     uri = f"s3://{s3_bucket.name}/runs/job-4"

@@ -53,7 +53,7 @@ def stack(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Stack]:
     """A stack whose every process reaches the store through the proxy, jobs published to it."""
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     settings = {
         "s3_endpoint_url": proxy.url,
@@ -71,14 +71,14 @@ def stack(
 def run_units(units: int, job_id: str) -> None:
     """A work horse's own loop in this process, stopped after ``units`` units (the job's last commit
     finalizes it)."""
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
     from workers.job_runner import JobRunner
 
     JobRunner(job_id, get_settings()).run(units)
 
 
 def reconcile(now: float | None = None) -> dict[str, int]:
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
     from workers.reconciler import reconcile_once
 
     return reconcile_once(get_settings(), now)
@@ -173,8 +173,8 @@ def test_a_refusing_store_fails_the_job_which_keeps_its_unacknowledged_shards(
 
 
 def test_a_cancelled_consume_job_keeps_its_unacknowledged_shards(stack: Stack) -> None:
-    from hsx.db.session import session_scope
-    from hsx.streams import repository as streams_repository
+    from hsx.server.db.session import session_scope
+    from hsx.server.streams import repository as streams_repository
 
     data = write_pretokenized(stack.tmp / "d.jsonl", [48] * 8)
     job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=10**9)["id"]

@@ -35,7 +35,7 @@ READ_ONLY, UNSEEN = "read-only", "unseen"
 def stack(
     db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Stack]:
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     engine = engines.start()
     made = make_stack(db_url, redis_url, engine.url, tmp_path, monkeypatch, stream_room_wait_seconds="2")
@@ -49,7 +49,7 @@ def stack(
 def namespaced_api(output: Path, view: str, port_file: Path) -> list[str]:
     """``hsx api`` in a mount namespace of its own, where ``output`` is read-only or hidden. The mounts
     are private to the namespace: the workers, in this one, see the output as it is."""
-    from hsx.local_stack import hsx_command
+    from hsx.cli.local_stack import hsx_command
 
     out = shlex.quote(str(output))
     if view == READ_ONLY:
@@ -146,7 +146,7 @@ def can_unshare() -> bool:
 def test_a_consume_job_whose_api_cannot_write_or_see_the_output_streams_and_its_shards_go(
     stack: Stack, view: str
 ) -> None:
-    from hsx.local_stack import local_stack, wait_http, wait_port_file
+    from hsx.cli.local_stack import local_stack, wait_http, wait_port_file
 
     if not can_unshare():
         pytest.skip("needs `unshare --mount` (root, or CAP_SYS_ADMIN) to give the API its own view")

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from hsx.local_stack import LocalStack, local_stack
+from hsx.cli.local_stack import LocalStack, local_stack
 from tests.fixtures.kills import end_lease, end_unit_lease, freeze_holding_a_lease, units
 from tests.fixtures.live_server import serve_in_thread
 from tests.fixtures.processes import kill_session, signal_pids, wait_gone
@@ -43,7 +43,7 @@ SAMPLES = 16
 def synth(
     db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[Stack, Synthetic]]:
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     engine = engines.start()
     stack = make_stack(db_url, redis_url, engine.url, tmp_path, monkeypatch, stream_room_wait_seconds="2")
@@ -63,8 +63,8 @@ class BufferWatch(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        from hsx.db.session import session_scope
-        from hsx.streams import repository
+        from hsx.server.db.session import session_scope
+        from hsx.server.streams import repository
 
         while not self.stopped.wait(0.05):
             with session_scope(self.db_url) as session:
@@ -181,8 +181,8 @@ def test_a_consumer_killed_holding_a_lease_loses_nothing_and_repeats_nothing(
     synth: tuple[Stack, Synthetic],
 ) -> None:
     from app.main import create_app
-    from hsx.db.session import session_scope
-    from hsx.db.stream_models import StreamItem
+    from hsx.server.db.session import session_scope
+    from hsx.server.db.stream_models import StreamItem
 
     stack, _engine = synth
     db_url = stack.env["HSX_DATABASE_URL"]
@@ -269,7 +269,7 @@ def test_a_consumer_that_never_returns_holds_the_job_and_nothing_unacknowledged_
     synth: tuple[Stack, Synthetic],
 ) -> None:
     from app.main import create_app
-    from hsx.jobs.queue import queued_wakeups
+    from hsx.server.jobs.queue import queued_wakeups
     from workers.reconciler import reconcile_once
 
     stack, _engine = synth
@@ -314,7 +314,7 @@ def worker_quiet(stack: Stack) -> bool:
     is."""
     from rq.registry import StartedJobRegistry
 
-    from hsx.jobs.queue import idle_workers, queue_for
+    from hsx.server.jobs.queue import idle_workers, queue_for
 
     queue = queue_for(stack.settings)
     return (
@@ -343,7 +343,7 @@ def assert_streamed_exactly_once(stack: Stack, job_id: str, cap: int, peak: int,
 def test_the_api_killed_and_restarted_while_trainers_stream_loses_nothing_and_repeats_nothing(
     synth: tuple[Stack, Synthetic], kept_port: int
 ) -> None:
-    from hsx.local_stack import hsx_command, wait_http
+    from hsx.cli.local_stack import hsx_command, wait_http
 
     stack, _engine = synth
     job_id, cap = consume_job(stack)
@@ -386,7 +386,7 @@ def private_redis(
 ) -> Iterator[tuple[Stack, LocalStack, str]]:
     """A stack on a Redis of this test's own (never the shared one: this one is killed, and started again
     on its port, kept for it meanwhile)."""
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     with local_stack(tmp_path / "redis") as private:
         url = private.start_redis(kept_port)
@@ -404,9 +404,9 @@ def test_redis_killed_and_restarted_while_workers_and_trainers_run_loses_nothing
     private_redis: tuple[Stack, LocalStack, str],
 ) -> None:
     from app.main import create_app
-    from hsx.db.session import session_scope
-    from hsx.local_stack import redis_reachable, redis_server_binary
-    from hsx.streams import repository as streams_repository
+    from hsx.cli.local_stack import redis_reachable, redis_server_binary
+    from hsx.server.db.session import session_scope
+    from hsx.server.streams import repository as streams_repository
 
     stack, private, url = private_redis
     job_id, cap = consume_job(stack)

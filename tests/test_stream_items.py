@@ -22,15 +22,15 @@ from tests.fixtures.jobs import running_job
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from hsx.jobs.repository import CommitHook, CommittedUnit
+    from hsx.server.jobs.repository import CommitHook, CommittedUnit
 
 
 def commit_units(db_url: str, job_id: str, count: int, hooks: Sequence[CommitHook] | None = None) -> None:
     """Claim and commit ``count`` units of the job as a worker does, each with a shard row, through the
     stream's commit hook."""
-    from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
-    from hsx.streams.service import record_item
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import repository as repo
+    from hsx.server.streams.service import record_item
 
     for _ in range(count):
         with session_scope(db_url) as session:
@@ -45,9 +45,9 @@ def commit_units(db_url: str, job_id: str, count: int, hooks: Sequence[CommitHoo
 def items_of(db_url: str, job_id: str) -> list[tuple[int, int, int]]:
     from sqlalchemy import select
 
-    from hsx.db.models import Shard
-    from hsx.db.session import session_scope
-    from hsx.db.stream_models import StreamItem
+    from hsx.server.db.models import Shard
+    from hsx.server.db.session import session_scope
+    from hsx.server.db.stream_models import StreamItem
 
     with session_scope(db_url) as session:
         rows = session.execute(
@@ -64,9 +64,9 @@ def test_a_units_commit_writes_its_item_and_a_commit_that_fails_writes_neither(
 ) -> None:
     from sqlalchemy import func, select
 
-    from hsx.db.models import Shard, UnitState, WorkUnit
-    from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
+    from hsx.server.db.models import Shard, UnitState, WorkUnit
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import repository as repo
 
     job_id = running_job(db_url, tmp_path / "out", units=3)
     commit_units(db_url, job_id, 2)
@@ -96,12 +96,12 @@ def test_the_stream_never_ends_early_while_acknowledgements_race_the_end_of_stre
     """A reader of another group holds one item for good, so the stream must stay open for this group
     whatever it acknowledges meanwhile. Four threads acknowledge the group's items one per transaction
     while another asks, again and again, what is left outside the group and whether the stream ended."""
-    from hsx.db.models import JobState
-    from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
-    from hsx.settings import get_settings
-    from hsx.streams import repository as streams
-    from hsx.streams.service import StreamService
+    from hsx.server.db.models import JobState
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import repository as repo
+    from hsx.server.settings import get_settings
+    from hsx.server.streams import repository as streams
+    from hsx.server.streams.service import StreamService
 
     units = 160
     job_id = running_job(db_url, tmp_path / "out", units=units)
@@ -155,8 +155,8 @@ def test_shards_committed_before_items_were_written_at_commit_get_theirs_from_th
 ) -> None:
     from sqlalchemy import text
 
-    from hsx.db.migrate import upgrade
-    from hsx.db.session import session_scope
+    from hsx.server.db.migrate import upgrade
+    from hsx.server.db.session import session_scope
 
     url = f"sqlite:///{tmp_path / 'old.sqlite3'}"
     upgrade(url, "0005_unit_publication")
@@ -184,12 +184,12 @@ def test_shards_committed_before_items_were_written_at_commit_get_theirs_from_th
 def test_sqlites_claim_check_takes_the_write_lock_as_its_transaction_opens(tmp_path: Path) -> None:
     from sqlalchemy import update
 
-    from hsx.db.migrate import upgrade
-    from hsx.db.models import Job
-    from hsx.db.session import session_scope
-    from hsx.settings import get_settings
-    from hsx.streams import repository as streams
-    from hsx.streams.service import may_claim
+    from hsx.server.db.migrate import upgrade
+    from hsx.server.db.models import Job
+    from hsx.server.db.session import session_scope
+    from hsx.server.settings import get_settings
+    from hsx.server.streams import repository as streams
+    from hsx.server.streams.service import may_claim
 
     path = tmp_path / "claims.sqlite3"
     url = f"sqlite:///{path}"
@@ -227,14 +227,14 @@ def test_a_lease_that_finds_nothing_takes_no_write_lock_and_one_that_leases_does
     because the test says so, however long the calls take on a loaded host."""
     import types
 
-    from hsx.db.migrate import upgrade
-    from hsx.db.session import session_scope
-    from hsx.settings import get_settings
-    from hsx.streams import repository as streams
-    from hsx.streams.service import TOUCH_SECONDS, StreamService
+    from hsx.server.db.migrate import upgrade
+    from hsx.server.db.session import session_scope
+    from hsx.server.settings import get_settings
+    from hsx.server.streams import repository as streams
+    from hsx.server.streams.service import TOUCH_SECONDS, StreamService
 
     clock = [1_700_000_000.0]
-    monkeypatch.setattr("hsx.streams.service.time", types.SimpleNamespace(time=lambda: clock[0]))
+    monkeypatch.setattr("hsx.server.streams.service.time", types.SimpleNamespace(time=lambda: clock[0]))
     path = tmp_path / "leases.sqlite3"
     url = f"sqlite:///{path}"
     upgrade(url)
@@ -294,8 +294,8 @@ def test_a_lease_that_finds_nothing_takes_no_write_lock_and_one_that_leases_does
 def test_an_acknowledgement_wakes_workers_only_where_the_cap_held_them_or_none_works(
     stored: int, acked: int, leased: int, woken: bool, why: str
 ) -> None:
-    from hsx.streams.contract import Budget
-    from hsx.streams.service import worth_waking
+    from hsx.server.streams.budget import Budget
+    from hsx.server.streams.service import worth_waking
 
     room = Budget(
         cap_bytes=400, stored_bytes=stored, acked_stored_bytes=acked, leased_units=leased, unit_bytes=100

@@ -27,7 +27,7 @@ postgres_only = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def synth(
     db_url: str, redis_url: str, engines: Engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[Stack, Synthetic]]:
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
 
     engine = engines.start()
     stack = make_stack(db_url, redis_url, engine.url, tmp_path, monkeypatch)
@@ -113,7 +113,7 @@ def _stream_client(kind: str, api: str, outage_seconds: float, tmp: Path) -> tup
         from hsx.torch_data import JobStream, JobStreamError
 
         return JobStream(api, "j", token="t", outage_seconds=outage_seconds), JobStreamError
-    from hsx.streams.specforge_feeder import FeedError, SpecForgeFeeder
+    from hsx.integrations.specforge.feeder import FeedError, SpecForgeFeeder
 
     feeder = SpecForgeFeeder(
         api, "j", tmp / "refs.jsonl", tmp / "store", "s", token="t", outage_seconds=outage_seconds
@@ -162,8 +162,8 @@ def test_stream_clients_retry_an_unreachable_api_for_their_outage_window_and_a_4
 
 
 def acked(stack: Stack, item_id: int) -> bool:
-    from hsx.db.session import session_scope
-    from hsx.db.stream_models import StreamItem
+    from hsx.server.db.session import session_scope
+    from hsx.server.db.stream_models import StreamItem
 
     with session_scope(stack.env["HSX_DATABASE_URL"]) as session:
         item = session.get(StreamItem, item_id)

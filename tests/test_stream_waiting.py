@@ -30,7 +30,7 @@ class Looks:
     """Counts the lease's reads of the table (StreamService.lease) and what each found."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from hsx.streams.service import StreamService
+        from hsx.server.streams.service import StreamService
 
         self.found: list[int] = []
         self.lock = threading.Lock()
@@ -65,8 +65,8 @@ class WaitingLease(threading.Thread):
 
 
 def listeners(stack: Stack, job_id: str) -> int:
-    from hsx.jobs.queue import redis_connection
-    from hsx.streams.news import news_channel
+    from hsx.server.jobs.queue import redis_connection
+    from hsx.server.streams.news import news_channel
 
     channel = news_channel(stack.settings, job_id)
     return int(dict(redis_connection(stack.settings).pubsub_numsub(channel))[channel.encode()])
@@ -91,7 +91,7 @@ def start_waiting(stack: Stack, job_id: str, consumer_id: str, looks: Looks) -> 
 
 @pytest.fixture
 def looks(monkeypatch: pytest.MonkeyPatch) -> Looks:
-    from hsx.streams import news
+    from hsx.server.streams import news
 
     monkeypatch.setattr(news, "RECHECK_SECONDS", LONG)
     return Looks(monkeypatch)
@@ -176,8 +176,8 @@ def test_a_reader_that_leaves_hands_its_shard_to_a_waiting_lease(
 def test_a_wait_without_news_still_reads_the_table_every_recheck(monkeypatch: pytest.MonkeyPatch) -> None:
     """Redis unreachable: the wait goes on by reading the table every RECHECK_SECONDS, and what a read
     finds is answered (a lease that ran out comes back this way too: nothing announces it)."""
-    from hsx.settings import Settings
-    from hsx.streams import news
+    from hsx.server.settings import Settings
+    from hsx.server.streams import news
 
     monkeypatch.setattr(news, "RECHECK_SECONDS", 0.05)
     settings = Settings(redis_url="redis://127.0.0.1:1/0")
@@ -243,8 +243,8 @@ def test_news_of_an_item_wakes_the_longest_waiting_lease_and_other_news_wakes_al
     (Waking every waiter for each commit made N consumers read the table N times an item.)"""
     import uuid
 
-    from hsx.settings import Settings
-    from hsx.streams import news
+    from hsx.server.settings import Settings
+    from hsx.server.streams import news
 
     monkeypatch.setattr(news, "RECHECK_SECONDS", LONG)
     settings = Settings(redis_url=redis_url, queue_name=f"news-{uuid.uuid4().hex[:8]}")

@@ -21,7 +21,7 @@ from tests.fixtures.synthetic import Synthetic, write_pretokenized
 
 
 def run_worker(url: str, job_id: str, wait: float = 0) -> Any:
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
     from workers.job_runner import JobRunner
 
     settings = get_settings().model_copy(update={"engine_url": url, "stream_room_wait_seconds": wait})
@@ -54,7 +54,7 @@ def ack(stack: Stack, job_id: str, consumer_id: str, items: list[dict[str, Any]]
 
 
 def wakeups(stack: Stack, job_id: str) -> int:
-    from hsx.jobs.queue import queued_wakeups
+    from hsx.server.jobs.queue import queued_wakeups
 
     return queued_wakeups(stack.settings, job_id)
 
@@ -67,7 +67,7 @@ def reconcile(stack: Stack) -> dict[str, int]:
 
 
 def drain_wakeups(stack: Stack) -> None:
-    from hsx.jobs.queue import queue_for
+    from hsx.server.jobs.queue import queue_for
 
     queue_for(stack.settings).empty()
 
@@ -142,8 +142,8 @@ def test_a_lease_that_runs_out_goes_to_another_consumer_and_the_old_ack_is_refus
     from sqlalchemy import update
     from sqlalchemy.exc import IntegrityError
 
-    from hsx.db.session import session_scope
-    from hsx.db.stream_models import StreamItem
+    from hsx.server.db.session import session_scope
+    from hsx.server.db.stream_models import StreamItem
 
     stack, engine = synth
     data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 4)
@@ -281,7 +281,7 @@ def test_acknowledged_shards_go_at_the_reconciler_on_the_workers_host_and_nothin
 def test_a_retried_acknowledgement_counts_once_and_a_lease_whose_answer_was_lost_comes_back_at_once(
     synth: tuple[Stack, Synthetic],
 ) -> None:
-    from hsx.db.stream_models import StreamItem
+    from hsx.server.db.stream_models import StreamItem
 
     stack, engine = synth
     data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 8)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hsx.settings import get_settings
+from hsx.server.settings import get_settings
 from tests.fixtures.stack import REPO, Stack, make_stack
 
 SHORT = REPO / "tests" / "data" / "short_chats.jsonl"
@@ -30,7 +30,7 @@ def settled_readyz(stack: Stack, timeout: float = 120.0) -> Any:
 
 
 def _nothing_queued(stack: Stack) -> None:
-    from hsx.jobs.queue import queue_for
+    from hsx.server.jobs.queue import queue_for
 
     assert stack.client.get("/jobs").json()["total"] == 0
     assert queue_for(stack.settings).count == 0
@@ -118,7 +118,7 @@ def test_a_server_that_is_no_hsx_engine_is_refused_unless_in_a_fleet(
 def test_an_engine_that_does_not_answer_is_no_reason_to_refuse(
     redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hsx.db.migrate import upgrade
+    from hsx.server.db.migrate import upgrade
 
     url = f"sqlite:///{tmp_path / 'hsx.sqlite3'}"
     upgrade(url)

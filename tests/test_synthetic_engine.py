@@ -16,11 +16,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hsx import contract
-from hsx.dumps import read_dump
-from hsx.engine_client import EngineClient
-from hsx.local_stack import hsx_command, local_stack, wait_http, wait_port_file
-from hsx.regenerate import engine_contract
-from hsx.regenerate.engine_contract import GenerationParams, generation_rid
+from hsx.cli.local_stack import hsx_command, local_stack, wait_http, wait_port_file
+from hsx.engine import regenerate_contract as engine_contract
+from hsx.engine.client import EngineClient
+from hsx.engine.dumps import read_dump
+from hsx.engine.regenerate_contract import GenerationParams, generation_rid
 from hsx.safetensors_io import read_file
 from tests.fixtures.dump_checks import validate_dump
 from workers.engines.synthetic.engine import (
@@ -217,7 +217,7 @@ def test_cli_refuses_a_bad_configuration(tmp_path: Path, args: list[str]) -> Non
     assert result.stderr.strip()
 
 
-# --- generation (hsx.regenerate.engine_contract) -------------------------------------------------------
+# --- generation (hsx.engine.regenerate_contract) -------------------------------------------------------
 
 
 def test_a_generation_is_answered_through_the_client_and_leaves_no_dump(server: Server) -> None:

@@ -10,10 +10,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from hsx import contract, validation
-from hsx.dumps import Dump, as_float32, delete_dump, open_dump, read_dump, validate_open_dump
-from hsx.engine_client import DumpCorrupt, DumpMissing, EngineClient, EngineRejected, EngineUnavailable
-from hsx.validation import SampleRejected
+from hsx import contract
+from hsx.engine import validation
+from hsx.engine.client import DumpCorrupt, DumpMissing, EngineClient, EngineRejected, EngineUnavailable
+from hsx.engine.dumps import Dump, as_float32, delete_dump, open_dump, read_dump, validate_open_dump
+from hsx.engine.validation import SampleRejected
 from tests.fixtures.dump_checks import validate_dump
 from tests.fixtures.engine import RunningEngine, captured_rid, unique_prompt
 

@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from hsx.verify import run_verification
+from hsx.engine.verify import run_verification
 from tests.fixtures.engine import RunningEngine
 from workers.reference_check import reference_checks
 

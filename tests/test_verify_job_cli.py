@@ -24,7 +24,7 @@ HSX = Path(sys.executable).parent / "hsx"
 def test_verify_job_through_the_cli_passes_an_fp8_job_on_its_own_engine(
     synthetic_stack: Stack, tmp_path: Path
 ) -> None:
-    from hsx.settings import get_settings
+    from hsx.server.settings import get_settings
     from workers.job_runner import JobRunner
 
     stack = synthetic_stack

@@ -15,8 +15,8 @@ import pytest
 from redis import Redis
 from rq import Worker
 
-from hsx.jobs.queue import queue_for, queued_wakeups, wake_idle_workers
-from hsx.settings import Settings
+from hsx.server.jobs.queue import queue_for, queued_wakeups, wake_idle_workers
+from hsx.server.settings import Settings
 from tests.fixtures.jobs import running_job
 
 
@@ -65,8 +65,8 @@ def test_a_job_with_work_gets_one_wake_up_when_no_worker_is_registered(settings:
 def test_workers_that_start_late_find_the_work_waiting(
     db_url: str, settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hsx.db.session import session_scope
-    from hsx.jobs import repository as repo
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import repository as repo
     from workers.reconciler import reconcile_once, wake_for_a_new_worker
 
     settings = settings.model_copy(update={"database_url": db_url, "dump_dir": str(tmp_path / "dumps")})

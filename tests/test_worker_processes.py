@@ -2,7 +2,7 @@
 
 `hsx worker --processes N` starts N worker processes; a job wakes one worker, and each claim that leaves
 claimable units behind keeps a wake-up waiting, so all of them hold leases at once. The horses are held
-mid-unit (HSX_HOLD_AT, hsx/faults.py) until each of the N processes has one there with its lease: if a
+mid-unit (HSX_HOLD_AT, hsx/server/faults.py) until each of the N processes has one there with its lease: if a
 claim woke nobody, the held horses would be all there ever is, and the test would say which processes took
 part. Then they are let go and the job runs to the end.
 """
@@ -24,15 +24,15 @@ PROCESSES = 3
 def registered_workers(stack: Stack) -> int:
     from rq import Worker
 
-    from hsx.jobs.queue import queue_for
+    from hsx.server.jobs.queue import queue_for
 
     queue = queue_for(stack.settings)
     return len(Worker.all(queue=queue))
 
 
 def live_leases(db_url: str, job_id: str) -> int:
-    from hsx.db.session import session_scope
-    from hsx.jobs import queries
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import queries
 
     with session_scope(db_url) as session:
         return queries.live_lease_count(session, job_id, time.time())

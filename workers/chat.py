@@ -25,7 +25,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from hsx.ingest import ChatMessage
+from hsx.server.ingest import ChatMessage
 from workers.turn_spans import (
     ASSISTANT_CONTENT_NOT_FOUND,
     TEMPLATE_FAILED,

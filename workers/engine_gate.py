@@ -1,6 +1,6 @@
 """Whether this worker's engine may work on a job, decided before it takes a unit and written to the job.
 
-A worker whose engine is unfit for a job (see :mod:`hsx.engine_fitness`) or does not answer takes no unit
+A worker whose engine is unfit for a job (see :mod:`hsx.engine.fitness`) or does not answer takes no unit
 of it: it notes why in the job's engine list and leaves the units to healthy workers. A job none of whose
 engines has been fit for ``HSX_NO_FIT_ENGINE_SECONDS`` (and that no worker holds a lease on) fails, naming
 them, instead of waiting for good. The preflight (``hsx verify``) runs once per job and engine identity:
@@ -17,15 +17,15 @@ from typing import Any
 
 from sqlalchemy.exc import OperationalError
 
-from hsx import engine_fitness
 from hsx.contract import EngineInfo
-from hsx.db.models import JobState
-from hsx.db.session import session_scope
-from hsx.job_options import JobOptions
-from hsx.jobs import engines_met, queries
-from hsx.jobs import repository as repo
-from hsx.retry import DATABASE
-from hsx.settings import Settings
+from hsx.engine import fitness as engine_fitness
+from hsx.server.db.models import JobState
+from hsx.server.db.session import session_scope
+from hsx.server.job_options import JobOptions
+from hsx.server.jobs import engines_met, queries
+from hsx.server.jobs import repository as repo
+from hsx.server.retry import DATABASE
+from hsx.server.settings import Settings
 
 log = logging.getLogger(__name__)
 

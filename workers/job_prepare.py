@@ -15,12 +15,12 @@ from dataclasses import replace
 from typing import Any
 
 from hsx.contract import EngineInfo
-from hsx.db.session import session_scope
-from hsx.ingest import DatasetError, prepare
-from hsx.job_options import JobOptions
-from hsx.jobs import recovery
-from hsx.jobs import repository as repo
-from hsx.settings import Settings
+from hsx.server.db.session import session_scope
+from hsx.server.ingest import DatasetError, prepare
+from hsx.server.job_options import JobOptions
+from hsx.server.jobs import recovery
+from hsx.server.jobs import repository as repo
+from hsx.server.settings import Settings
 from workers.output_size import OutputProjector, Projection, free_bytes
 
 log = logging.getLogger(__name__)

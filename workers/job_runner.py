@@ -26,26 +26,29 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from hsx import engine_fitness, layout, telemetry
+from hsx import layout
 from hsx.contract import EngineInfo
-from hsx.db.models import JobState
-from hsx.db.session import retry_db, session_scope
-from hsx.engine_client import EngineClient, EngineUnavailable, EngineUnfit
-from hsx.faults import crash_point
-from hsx.ingest import DatasetError, UnitRange, read_unit_records
-from hsx.job_options import CONSUME, JobOptions
-from hsx.jobs import engines_met, queries, recovery
-from hsx.jobs import repository as repo
-from hsx.jobs.finalize import finalize_if_complete
-from hsx.jobs.publication import publish_committed
-from hsx.jobs.queue import wake_idle_workers
-from hsx.jobs.repository import ClaimedUnit
-from hsx.logging_setup import log_context
-from hsx.settings import Settings
-from hsx.streams import service as stream_service
-from hsx.streams.deletion import BackgroundDeletion
-from hsx.streams.news import ITEM, announce
-from hsx.streams.room import wait_for_room
+from hsx.engine import fitness as engine_fitness
+from hsx.engine.client import EngineClient, EngineUnavailable, EngineUnfit
+from hsx.server import telemetry
+from hsx.server.db.models import JobState
+from hsx.server.db.session import retry_db, session_scope
+from hsx.server.faults import crash_point
+from hsx.server.ingest import DatasetError, UnitRange, read_unit_records
+from hsx.server.job_options import JobOptions
+from hsx.server.jobs import engines_met, queries, recovery
+from hsx.server.jobs import repository as repo
+from hsx.server.jobs.finalize import finalize_if_complete
+from hsx.server.jobs.publication import publish_committed
+from hsx.server.jobs.queue import wake_idle_workers
+from hsx.server.jobs.repository import ClaimedUnit
+from hsx.server.logging_setup import log_context
+from hsx.server.settings import Settings
+from hsx.server.streams import service as stream_service
+from hsx.server.streams.deletion import BackgroundDeletion
+from hsx.server.streams.news import ITEM, announce
+from hsx.server.streams.room import wait_for_room
+from hsx.streams.contract import CONSUME
 from workers.engine_gate import EngineGate, Refusal, static_problem
 from workers.job_prepare import JobPreparer
 from workers.job_view import JobView, Outcome
@@ -186,7 +189,7 @@ class JobRunner:
         return None
 
     def _verify(self, info: EngineInfo) -> Refusal | None:
-        from hsx.verify import run_verification
+        from hsx.engine.verify import run_verification
 
         report = run_verification(self.settings.engine_url, dump_dir=self._dump_dir(info))
         if report.ok:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hsx.db.models import Job
-from hsx.job_options import JobOptions
-from hsx.jobs.publication import destination_of
-from hsx.settings import Settings
+from hsx.server.db.models import Job
+from hsx.server.job_options import JobOptions
+from hsx.server.jobs.publication import destination_of
+from hsx.server.settings import Settings
 
 
 @dataclass

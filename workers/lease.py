@@ -10,11 +10,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from hsx.db.models import JobState
-from hsx.db.session import session_scope
-from hsx.jobs import queries
-from hsx.jobs import repository as repo
-from hsx.jobs.repository import ClaimedUnit, LiveCounts
+from hsx.server.db.models import JobState
+from hsx.server.db.session import session_scope
+from hsx.server.jobs import queries
+from hsx.server.jobs import repository as repo
+from hsx.server.jobs.repository import ClaimedUnit, LiveCounts
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hsx.contract import EngineInfo, canonical_state_dtype
-from hsx.ingest import Pretokenized, parse_record
 from hsx.safetensors_io import DTYPE_SIZES
+from hsx.server.ingest import Pretokenized, parse_record
 from workers.unit_processor import REJECT, dump_tensors
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def bytes_per_token(info: EngineInfo, store_fp8: bool = False) -> int:
 
 
 class OutputProjector:
-    """Fed every record line during the planning pass (:func:`hsx.ingest.plan_units`' ``observe``)."""
+    """Fed every record line during the planning pass (:func:`hsx.server.ingest.plan_units`' ``observe``)."""
 
     def __init__(
         self,

@@ -12,17 +12,17 @@ import time
 from pathlib import Path
 
 from hsx.contract import RID_PREFIX
-from hsx.db.models import JobState
-from hsx.db.session import session_scope
-from hsx.jobs import queries, recovery
-from hsx.jobs import repository as repo
-from hsx.jobs.finalize import finalize_if_complete
-from hsx.jobs.publication import publish_stragglers
-from hsx.jobs.queue import wake_idle_workers
 from hsx.layout import parse_staged_shard_name
-from hsx.settings import Settings
-from hsx.streams import service as stream_service
-from hsx.streams.deletion import delete_all_acknowledged
+from hsx.server.db.models import JobState
+from hsx.server.db.session import session_scope
+from hsx.server.jobs import queries, recovery
+from hsx.server.jobs import repository as repo
+from hsx.server.jobs.finalize import finalize_if_complete
+from hsx.server.jobs.publication import publish_stragglers
+from hsx.server.jobs.queue import wake_idle_workers
+from hsx.server.settings import Settings
+from hsx.server.streams import service as stream_service
+from hsx.server.streams.deletion import delete_all_acknowledged
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def reconcile_once(settings: Settings, now: float | None = None) -> dict[str, in
 def _finalize(db_url: str, job_id: str) -> bool:
     """Finalize a job whose units are all done; an unreachable store leaves it running for the next pass,
     without cutting this pass short for the jobs after it."""
-    from hsx.storage import StorageError
+    from hsx.s3 import StorageError
 
     try:
         return finalize_if_complete(db_url, job_id)

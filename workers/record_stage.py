@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from hsx.ingest import Record
-from hsx.jobs.repository import ClaimedUnit
+from hsx.server.ingest import Record
+from hsx.server.jobs.repository import ClaimedUnit
 
 # (sample index, record, the record's own id)
 UnitRecord = tuple[int, Record, str | None]

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hsx.dumps import Dump
-from hsx.engine_client import EngineClient, EngineError
-from hsx.verify import Check, run_verification
+from hsx.engine.client import EngineClient, EngineError
+from hsx.engine.dumps import Dump
+from hsx.engine.verify import Check, run_verification
 
 # Per-token cosine a dump must reach against the float32 reference: float32 engines differ only by
 # rounding; bf16 loses about three digits over a deep stack (0.9994 measured on SmolLM2's final state).

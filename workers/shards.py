@@ -28,11 +28,7 @@ import numpy.typing as npt
 
 from hsx import fp8
 from hsx.contract import canonical_state_dtype as canonical_state_dtype
-from hsx.faults import crash_point
-from hsx.fsutil import WRITE_BEHIND_WINDOW, WriteBehind
-from hsx.layout import TOKEN_TENSORS, sample_tensor_name, scale_tensor_name
-from hsx.safetensors_io import TensorSpec, encode_header
-from hsx.validation import (
+from hsx.engine.validation import (
     DTYPE_MISMATCH,
     LAYERS_MISMATCH,
     NON_FINITE,
@@ -40,6 +36,10 @@ from hsx.validation import (
     SampleRejected,
     count_non_finite,
 )
+from hsx.fsutil import WRITE_BEHIND_WINDOW, WriteBehind
+from hsx.layout import TOKEN_TENSORS, sample_tensor_name, scale_tensor_name
+from hsx.safetensors_io import TensorSpec, encode_header
+from hsx.server.faults import crash_point
 
 CHUNK_BYTES = 1 << 20
 # Header room per tensor entry: '"s12345.hidden.123":{"dtype":"BF16","shape":[..],"data_offsets":[..]},'

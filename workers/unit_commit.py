@@ -11,12 +11,12 @@ from pathlib import Path
 
 from sqlalchemy.exc import OperationalError
 
-from hsx import telemetry
-from hsx.db.session import retry_db, session_scope
-from hsx.faults import crash_point
-from hsx.jobs import repository as repo
-from hsx.jobs.repository import ClaimedUnit, CommitHook, ShardRow
 from hsx.layout import place_file, shard_data_sha256, shard_file_name, staged_shard_name
+from hsx.server import telemetry
+from hsx.server.db.session import retry_db, session_scope
+from hsx.server.faults import crash_point
+from hsx.server.jobs import repository as repo
+from hsx.server.jobs.repository import ClaimedUnit, CommitHook, ShardRow
 from workers.shards import ShardWriteError
 from workers.unit_processor import UnitResult
 
@@ -34,7 +34,7 @@ def staged_path(output_dir: str, unit_index: int, attempt: int) -> Path:
 def commit_unit(
     db_url: str, unit: ClaimedUnit, result: UnitResult, output_dir: str, hooks: Sequence[CommitHook] = ()
 ) -> bool:
-    """``hooks`` run inside the commit's transaction (:data:`hsx.jobs.repository.CommitHook`)."""
+    """``hooks`` run inside the commit's transaction (:data:`hsx.server.jobs.repository.CommitHook`)."""
     final = shard_path(output_dir, unit.unit_index)
     staged = staged_path(output_dir, unit.unit_index, unit.attempt)
     shard: ShardRow | None = None

@@ -33,10 +33,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hsx import telemetry
 from hsx.contract import RID_PREFIX, EngineInfo, dump_bytes
-from hsx.dumps import DumpFile, delete_dump, open_dump, validate_open_dump
-from hsx.engine_client import (
+from hsx.engine.client import (
     DumpMissing,
     EngineClient,
     EngineRejected,
@@ -44,12 +42,14 @@ from hsx.engine_client import (
     EngineUnavailable,
     EngineUnfit,
 )
+from hsx.engine.dumps import DumpFile, delete_dump, open_dump, validate_open_dump
+from hsx.engine.validation import DTYPE_MISMATCH, DUMP_TOO_LARGE, ENGINE_TIMEOUT, TOO_LONG, SampleRejected
 from hsx.fsutil import WRITE_BEHIND_WINDOW
-from hsx.ingest import Pretokenized, Record, SampleError
-from hsx.jobs.repository import ClaimedUnit, LiveCounts, RejectionRow, TruncationRow
 from hsx.layout import state_tensor_names
 from hsx.safetensors_io import DTYPE_SIZES
-from hsx.validation import DTYPE_MISMATCH, DUMP_TOO_LARGE, ENGINE_TIMEOUT, TOO_LONG, SampleRejected
+from hsx.server import telemetry
+from hsx.server.ingest import Pretokenized, Record, SampleError
+from hsx.server.jobs.repository import ClaimedUnit, LiveCounts, RejectionRow, TruncationRow
 from workers.shards import ShardInfo, ShardStream, canonical_state_dtype
 
 if TYPE_CHECKING:

@@ -23,10 +23,10 @@ from redis.exceptions import RedisError
 from rq import Worker
 from rq.exceptions import StopRequested
 
-from hsx.jobs.queue import queue_for
-from hsx.logging_setup import configure_logging
-from hsx.redis_clients import rq_connection
-from hsx.settings import Settings, get_settings
+from hsx.server.jobs.queue import queue_for
+from hsx.server.logging_setup import configure_logging
+from hsx.server.redis_clients import rq_connection
+from hsx.server.settings import Settings, get_settings
 from workers.job_runner import lease_owner
 from workers.reconciler import FORK_LOCK, ReconcilerThread, expire_leases_of, wake_for_a_new_worker
 from workers.tasks.extraction import STOP_SIGNAL
@@ -95,7 +95,7 @@ def preload_tokenizer(settings: Settings) -> None:
     """Load the engine's tokenizer once in the parent, so a horse does not spend its first second on it
     (every horse needs it to check the job's tokenizer identity). Best effort: an engine that is not up
     yet, or a model without tokenizer files, leaves each horse to load (or miss) it itself."""
-    from hsx.engine_client import EngineClient
+    from hsx.engine.client import EngineClient
     from workers.job_runner import load_tokenizer
 
     path = settings.tokenizer_path
@@ -165,10 +165,10 @@ def serve(settings: Settings, burst: bool, reconcile: bool) -> int:
 
 
 def new_worker(settings: Settings) -> HsxWorker:
-    """An RQ worker on a connection of RQ's own (:func:`hsx.redis_clients.rq_connection`): RQ raises the
-    socket timeout of the pool it is given to its blocking pop, 415 s. Given the process's short-call pool,
-    it raised every announce, wake-up and room token of this worker and of its horses to that, a call that
-    could block for minutes on a Redis that hangs."""
+    """An RQ worker on a connection of RQ's own (:func:`hsx.server.redis_clients.rq_connection`): RQ raises
+    the socket timeout of the pool it is given to its blocking pop, 415 s. Given the process's short-call
+    pool, it raised every announce, wake-up and room token of this worker and of its horses to that, a call
+    that could block for minutes on a Redis that hangs."""
     connection = rq_connection(settings)
     return HsxWorker([queue_for(settings, connection)], connection=connection)
 

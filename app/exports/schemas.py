@@ -34,7 +34,7 @@ class ExportError(BaseModel):
 
 
 class ExportOut(BaseModel):
-    # Read from the exports table's row (hsx.db.export_models.Export), field for field.
+    # Read from the exports table's row (hsx.server.db.export_models.Export), field for field.
     model_config = ConfigDict(from_attributes=True)
 
     id: str

@@ -17,17 +17,17 @@ from sqlalchemy.orm import Session
 
 from app.exports import schemas
 from app.jobs.service import JobService
-from hsx.db.export_models import Export
-from hsx.db.models import JobState
 from hsx.errors import BadRequest, Conflict, NotFound, ServiceUnavailable
-from hsx.export.common import ExportOptions, options_dict, refusal
-from hsx.export.status import export_dest, is_export_id, new_export_id, rq_job_id
-from hsx.jobs import exports, queries
-from hsx.jobs.manifests import manifest_of
-from hsx.jobs.queue import EXPORT_TASK, queue_for
+from hsx.integrations.exports import ExportOptions, options_dict, refusal
 from hsx.manifest import ManifestError
-from hsx.redis_clients import redis_connection
-from hsx.settings import Settings
+from hsx.server.db.export_models import Export
+from hsx.server.db.models import JobState
+from hsx.server.export_status import export_dest, is_export_id, new_export_id, rq_job_id
+from hsx.server.jobs import exports, queries
+from hsx.server.jobs.manifests import manifest_of
+from hsx.server.jobs.queue import EXPORT_TASK, queue_for
+from hsx.server.redis_clients import redis_connection
+from hsx.server.settings import Settings
 
 log = logging.getLogger(__name__)
 _DEAD_RQ_STATES = {"failed", "stopped", "canceled"}

@@ -8,8 +8,8 @@ from pydantic import BaseModel
 
 
 class UnitOut(BaseModel):
-    """A unit as hsx.jobs.queries.UnitRow has it (validated from that row; its lease owner and expiry are
-    shown as the worker, engine and seconds left below)."""
+    """A unit as hsx.server.jobs.queries.UnitRow has it (validated from that row; its lease owner and expiry
+    are shown as the worker, engine and seconds left below)."""
 
     unit_index: int
     state: str

@@ -15,9 +15,9 @@ from sqlalchemy.orm import Session
 from app.fleet import schemas
 from app.jobs.service import JobService
 from hsx import contract
-from hsx.jobs import queries
 from hsx.layout import split_lease_owner
-from hsx.settings import Settings
+from hsx.server.jobs import queries
+from hsx.server.settings import Settings
 
 # Engines that committed a unit this recently are listed even when no lease is live now.
 RECENT_ENGINE_WINDOW = timedelta(hours=1)

@@ -24,9 +24,9 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from hsx import engine_fitness
 from hsx.contract import EngineInfo
-from hsx.settings import Settings
+from hsx.engine import fitness as engine_fitness
+from hsx.server.settings import Settings
 
 # Shorter than hsx verify's own limits: a preflight that cannot finish in this time decides nothing here.
 PREFLIGHT_TIMEOUT_SECONDS = 30.0
@@ -111,7 +111,7 @@ def _settle(future: Future[Preflight], key: Key, settings: Settings, info: Engin
 
 
 def _run(settings: Settings) -> Preflight:
-    from hsx.verify import run_verification
+    from hsx.engine.verify import run_verification
 
     report = run_verification(
         settings.engine_url, rid_prefix_tag="submit", timeout=PREFLIGHT_TIMEOUT_SECONDS, dumps=False

@@ -13,8 +13,8 @@ from app.jobs import schemas
 from app.jobs.document_cache import DocumentCache, wants_fresh
 from app.jobs.service import JobService, render_document
 from hsx.errors import UnsupportedMediaType
-from hsx.regenerate.export import MEDIA_TYPE
-from hsx.settings import Settings
+from hsx.server.regenerate.export import MEDIA_TYPE
+from hsx.server.settings import Settings
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -157,7 +157,7 @@ def get_truncations(
 def get_regenerated(job_id: str, settings: SettingsDep) -> StreamingResponse:
     """A regenerate job's regenerated dataset, as JSONL in the messages form POST /jobs accepts (with each
     sample's id, token ids, loss mask and generation parameters); what is kept so far while it runs."""
-    from hsx.db.session import session_factory
+    from hsx.server.db.session import session_factory
 
     session = session_factory(settings.resolved_database_url)()
     try:

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from app.streams.schemas import StreamStatus
-from hsx.job_options import JobOptions
+from hsx.server.job_options import JobOptions
 
 JobStateName = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
@@ -187,8 +187,8 @@ class TruncationPage(BaseModel):
 
 
 class CheckOut(BaseModel):
-    """One check of the validator (hsx.validation.Check); a failed dump check names the reason code a job
-    would reject the sample with."""
+    """One check of the validator (hsx.engine.validation.Check); a failed dump check names the reason code a
+    job would reject the sample with."""
 
     name: str
     ok: bool

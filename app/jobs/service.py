@@ -18,24 +18,24 @@ from sqlalchemy.orm import Session
 
 from app.jobs import admission, schemas
 from app.streams.schemas import StreamStatus
-from hsx import engine_fitness
-from hsx.db.models import Job, JobState, Shard
-from hsx.engine_client import EngineClient, EngineError, EngineUnfit
+from hsx.engine import fitness as engine_fitness
+from hsx.engine.client import EngineClient, EngineError, EngineUnfit
+from hsx.engine.validation import RETRIABLE_REASONS
 from hsx.errors import BadRequest, Conflict, NotFound, Unprocessable
-from hsx.ingest import inspect_dataset
-from hsx.job_options import JobOptions
-from hsx.jobs import queries, recovery
-from hsx.jobs import repository as repo
-from hsx.jobs.finalize import MANIFEST_NAME
-from hsx.jobs.publication import destination_of, new_destination
-from hsx.jobs.queue import enqueue_wakeups
-from hsx.jobs.repository import LiveCounts
-from hsx.regenerate import repository as regen_repo
-from hsx.regenerate.export import sample_line
-from hsx.settings import Settings
-from hsx.streams import service as stream_service
-from hsx.streams.news import announce
-from hsx.validation import RETRIABLE_REASONS
+from hsx.server.db.models import Job, JobState, Shard
+from hsx.server.ingest import inspect_dataset
+from hsx.server.job_options import JobOptions
+from hsx.server.jobs import queries, recovery
+from hsx.server.jobs import repository as repo
+from hsx.server.jobs.finalize import MANIFEST_NAME
+from hsx.server.jobs.publication import destination_of, new_destination
+from hsx.server.jobs.queue import enqueue_wakeups
+from hsx.server.jobs.repository import LiveCounts
+from hsx.server.regenerate import repository as regen_repo
+from hsx.server.regenerate.export import sample_line
+from hsx.server.settings import Settings
+from hsx.server.streams import service as stream_service
+from hsx.server.streams.news import announce
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +382,7 @@ def _elapsed_seconds(job: Job) -> float | None:
 
 def render_document(settings: Settings, job_id: str) -> bytes:
     """``GET /jobs/{id}``'s JSON, in a session of its own (the endpoint renders off the event loop)."""
-    from hsx.db.session import session_factory
+    from hsx.server.db.session import session_factory
 
     with session_factory(settings.resolved_database_url)() as session:
         service = JobService(session, settings)

@@ -1,4 +1,4 @@
-"""HTTP routes of a job's stream. Routers hold no SQL and no rules: they call hsx.streams.service."""
+"""HTTP routes of a job's stream. Routers hold no SQL and no rules: they call hsx.server.streams.service."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from fastapi.concurrency import run_in_threadpool
 from app.deps import SessionDep, SettingsDep
 from app.jobs.endpoints import ERRORS, document_cache, json_body
 from app.streams import schemas
-from hsx.db.stream_models import StreamConsumer
-from hsx.streams import news
-from hsx.streams import repository as repo
-from hsx.streams.service import LeaseAnswer, StreamService
+from hsx.server.db.stream_models import StreamConsumer
+from hsx.server.streams import news
+from hsx.server.streams import repository as repo
+from hsx.server.streams.service import LeaseAnswer, StreamService
 
 router = APIRouter(prefix="/jobs/{job_id}/consumers", tags=["streams"])
 

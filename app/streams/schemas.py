@@ -79,9 +79,9 @@ class LeaseRequest(BaseModel):
     )
 
 
-# The answers below are read from the stream service's own types (hsx.streams.service.LeaseAnswer and
-# AckAnswer, hsx.streams.repository.LeasedItem) by attribute: a field is named once, there, and described
-# here.
+# The answers below are read from the stream service's own types (hsx.server.streams.service.LeaseAnswer and
+# AckAnswer, hsx.server.streams.repository.LeasedItem) by attribute: a field is named once, there, and
+# described here.
 _FROM_LIBRARY = ConfigDict(from_attributes=True)
 
 

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from hsx.job_options import JobOptions
 from hsx.loader import LoaderError, ShardView
-from hsx.manifest import Manifest, ShardEntry, job_manifest
+from hsx.manifest import Manifest, ShardEntry, job_manifest, stores_fp8
 from hsx.samples import Sample
 
 # Where a consumer reads an item: its path, its object in the store, or the path when it can see it.
@@ -23,9 +22,8 @@ Source = Literal["auto", "file", "s3"]
 def manifest_for(job: Mapping[str, Any]) -> Manifest:
     """The manifest of a started job without its shard list, from its document (``GET /jobs/{id}``: its
     ``engine`` record and ``options``), built as finalize builds the one it writes."""
-    return job_manifest(
-        str(job["id"]), job["engine"], fp8=JobOptions.from_stored(job.get("options")).stores_fp8
-    )
+    fp8 = stores_fp8((job.get("options") or {}).get("state_dtype"))
+    return job_manifest(str(job["id"]), job["engine"], fp8=fp8)
 
 
 class ShardGone(LoaderError):
@@ -66,12 +64,13 @@ def _open_item(item: dict[str, Any], manifest: Manifest, verify: bool, source: S
 
 
 def _download(uri: str, target: Path) -> None:
-    from hsx.settings import get_settings
-    from hsx.storage.s3 import s3_client, storage_error
+    from hsx.s3 import S3Endpoint, s3_client, storage_error
 
     parts = urlsplit(uri)
     try:
-        s3_client(get_settings()).download_file(parts.netloc, parts.path.lstrip("/"), str(target))
+        s3_client(S3Endpoint.from_environment()).download_file(
+            parts.netloc, parts.path.lstrip("/"), str(target)
+        )
     except Exception as exc:
         error = storage_error(exc, uri)
         if error.error == "not_found":

@@ -28,11 +28,10 @@ from typing import Any
 import httpx
 from torch.utils.data import IterableDataset, get_worker_info
 
-from hsx.job_options import JobOptions
 from hsx.manifest import Manifest
 from hsx.samples import Item, sample_item
 from hsx.streams.api_calls import call_api
-from hsx.streams.contract import lease_wait
+from hsx.streams.contract import consumes, lease_wait
 from hsx.streams.reader import ShardGone, Source, item_samples, manifest_for
 
 # (consumer id, item id, delivery, samples in the item): what an acknowledgement needs of a sample.
@@ -118,7 +117,7 @@ class JobStream(IterableDataset[Item]):
             if doc["state"] in ("failed", "cancelled"):
                 raise JobStreamError(f"job {self.job_id} is {doc['state']}: {doc.get('error')}")
             if doc.get("engine"):
-                return manifest_for(doc), JobOptions.from_stored(doc.get("options")).retention == "consume"
+                return manifest_for(doc), consumes(doc.get("options"))
             time.sleep(self.poll_seconds)
 
     def __iter__(self) -> Iterator[Item]:

@@ -11,9 +11,9 @@ shared-prefix pair passes verification; captured requests aborted at staggered t
 dump or a complete one, never a half one.
 radix: the same shared-prefix pair fails verification on cached_tokens; with distinct extra_keys it passes.
 
-The verification is inline (the rules of hsx.verify as the contract states them: complete dump, rows ==
+The verification is inline (the rules of hsx.engine.verify as the contract states them: complete dump, rows ==
 prompt tokens, cached_tokens == 0 in the response and the meta, the ids sent, [T, H] per hf index) unless
-``hsx.verify.run_verification`` can be called; the JSON says which.
+``hsx.engine.verify.run_verification`` can be called; the JSON says which.
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ def _verify(
 
 
 def hsx_verify(url: str, dump_dir: str) -> dict[str, Any]:
-    """``hsx.verify.run_verification`` against the server (its two shared-prefix prompts, no extra_key)."""
+    """``hsx.engine.verify.run_verification`` against the server (its two shared-prefix prompts, no extra_key)."""
     try:
-        from hsx.verify import run_verification
+        from hsx.engine.verify import run_verification
     except Exception as exc:  # noqa: BLE001 - a missing dependency on the device must not stop the run
         return {"available": False, "error": repr(exc)[:300]}
     rep = run_verification(url, dump_dir)
@@ -338,7 +338,7 @@ def report(out_dir: str) -> int:
             f"rows={t2['rows_dumped']}/{t2['sent']} inline verify={verdict(t2['verify_pass'])}"
         )
         lines.append(
-            "TEST 2  radix OFF: hsx.verify.run_verification "
+            "TEST 2  radix OFF: hsx.engine.verify.run_verification "
             + _verify_text(c.get("test2_radix_off_hsx_verify", {}))
         )
     if r:
@@ -349,7 +349,7 @@ def report(out_dir: str) -> int:
             f"{t2['why'][:120]}"
         )
         lines.append(
-            "TEST 2  radix ON : hsx.verify.run_verification "
+            "TEST 2  radix ON : hsx.engine.verify.run_verification "
             + _verify_text(r.get("test2_radix_on_hsx_verify", {}))
         )
         t3 = r["test2_radix_on_extra_key"]["shares_500_prefix"]

@@ -6,7 +6,7 @@ run on CPU (SpecForge's EAGLE-3 loss is a Triton kernel).
 
 OUTPUT_DIR is a finished hsx job's output (e.g. from scripts/device/run_job_e2e.sh), MODEL_DIR its target
 model. The job's samples are written into a StreamingRefChannel and a SharedDirFeatureStore with the
-feeder's own writer (hsx.streams.specforge_layout, as ``hsx feed specforge`` writes them for a
+feeder's own writer (hsx.integrations.specforge.feed_layout, as ``hsx feed specforge`` writes them for a
 running job), the channel is closed, and SpecForge's FeatureDataLoader (StreamingRefQueue +
 SharedDirFeatureStore + the EAGLE-3 streaming collator) feeds Eagle3TrainStrategy for STEPS steps (the
 stream is read again while steps are left). Needs specforge 0.2.0 and triton (CUDA torch brings it).
@@ -28,7 +28,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from hsx.loader import OutputReader
 from hsx.manifest import Manifest
-from hsx.streams import specforge_layout as layout
+from hsx.integrations.specforge import feed_layout as layout
 
 
 def feed_finished(output_dir: Path, work: Path, tag: str) -> tuple[Path, Path]:

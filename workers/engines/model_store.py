@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hsx.settings import Settings, get_settings
+from hsx.server.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 

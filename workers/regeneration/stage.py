@@ -1,13 +1,13 @@
 """The regenerate stage of a unit (worker side): every sample of the unit regenerated turn by turn, made
 durable under the unit's lease, then handed to capture as the token ids that were kept.
 
-For each sample the recorded outcome is looked up first (:mod:`hsx.regenerate.repository`): a sample whose
-text an earlier attempt kept is never generated again, so a worker that dies between generation and
+For each sample the recorded outcome is looked up first (:mod:`hsx.server.regenerate.repository`): a sample
+whose text an earlier attempt kept is never generated again, so a worker that dies between generation and
 capture cannot produce a second, different text, and the shard holds the states of the kept one. The rest
 are generated on ``concurrency`` threads and written in batches, each batch fenced on the lease; the
 capture starts only once every sample of the unit has its row. A sample that cannot be regenerated is kept
 as a rejection with its reason (stable across attempts too), and reaches capture as a
-:class:`~hsx.ingest.SampleError`, which the unit records like any other rejected sample.
+:class:`~hsx.server.ingest.SampleError`, which the unit records like any other rejected sample.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from hsx import telemetry
-from hsx.db.session import retry_db, session_scope
-from hsx.engine_client import EngineClient, EngineRejected, EngineTimeout, EngineUnavailable
-from hsx.faults import crash_point
-from hsx.ingest import Pretokenized, Record, SampleError
-from hsx.job_options import JobOptions, RegenerateOptions
-from hsx.jobs.repository import ClaimedUnit
-from hsx.regenerate import repository as regen_repo
-from hsx.regenerate.repository import KeptSample
+from hsx.engine.client import EngineClient, EngineRejected, EngineTimeout, EngineUnavailable
+from hsx.server import telemetry
+from hsx.server.db.session import retry_db, session_scope
+from hsx.server.faults import crash_point
+from hsx.server.ingest import Pretokenized, Record, SampleError
+from hsx.server.job_options import JobOptions, RegenerateOptions
+from hsx.server.jobs.repository import ClaimedUnit
+from hsx.server.regenerate import repository as regen_repo
+from hsx.server.regenerate.repository import KeptSample
 from workers.record_stage import UnitRecord
 from workers.regeneration.turns import (
     GENERATION_REJECTED,
@@ -41,7 +41,7 @@ from workers.regeneration.turns import (
 from workers.unit_processor import UnitAborted
 
 if TYPE_CHECKING:
-    from hsx.regenerate.engine_contract import GenerationParams
+    from hsx.engine.regenerate_contract import GenerationParams
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def generation_params(
     options: RegenerateOptions, seed: int | None, stop: tuple[int, ...]
 ) -> GenerationParams:
     """The sampling parameters of one turn's request."""
-    from hsx.regenerate.engine_contract import GenerationParams
+    from hsx.engine.regenerate_contract import GenerationParams
 
     return GenerationParams(
         max_new_tokens=options.max_new_tokens,
@@ -171,7 +171,7 @@ class RegenerateStage:
             detail = "a pre-tokenized record has no turns to regenerate; send it in messages form"
             return KeptSample(index, record_id, NEEDS_MESSAGES, detail)
         assert not isinstance(record, SampleError)
-        from hsx.regenerate.engine_contract import generation_rid
+        from hsx.engine.regenerate_contract import generation_rid
 
         seeds: list[int | None] = []
 

@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hsx.engine.validation import TOO_LONG
 from hsx.errors import ReasonError
-from hsx.job_options import RegenerateOptions
-from hsx.validation import TOO_LONG
+from hsx.server.job_options import RegenerateOptions
 
 # Per-sample rejection reasons of a regenerate job (besides the dataset's and the template's own).
 NOTHING_TO_REGENERATE = "nothing_to_regenerate"

@@ -1,8 +1,8 @@
 """The RQ entry point of an export made through the API: ``run_export(job_id, export_id)``.
 
 It runs in any ``hsx worker`` (same queue as the extraction units), which sees the job's output, and moves
-the export's row (hsx.db.export_models) through its states: the API only recorded it. Running it again is
-safe: a finished export is not redone, and an export whose folder is complete but whose row still says
+the export's row (hsx.server.db.export_models) through its states: the API only recorded it. Running it again
+is safe: a finished export is not redone, and an export whose folder is complete but whose row still says
 ``running`` (a crash between the two) is recorded as succeeded from the folder's own report.
 """
 
@@ -12,12 +12,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from hsx.db.session import retry_db, session_scope
 from hsx.errors import HsxError
-from hsx.export.common import REPORT_FILE, ExportOptions, export_output, load_report
-from hsx.jobs import exports
-from hsx.jobs import repository as repo
-from hsx.settings import get_settings
+from hsx.integrations.exports import REPORT_FILE, ExportOptions, export_output, load_report
+from hsx.server.db.session import retry_db, session_scope
+from hsx.server.jobs import exports
+from hsx.server.jobs import repository as repo
+from hsx.server.settings import get_settings
 
 log = logging.getLogger(__name__)
 

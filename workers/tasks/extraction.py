@@ -1,5 +1,5 @@
-"""The RQ entry point of extraction: ``work_on_job(job_id)``, enqueued as a wake-up (hsx.jobs.queue). RQ
-only wakes workers: the job table says what is left to do."""
+"""The RQ entry point of extraction: ``work_on_job(job_id)``, enqueued as a wake-up (hsx.server.jobs.queue).
+RQ only wakes workers: the job table says what is left to do."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import signal
 import threading
 
-from hsx.settings import get_settings
+from hsx.server.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ def work_on_job(job_id: str) -> str:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(STOP_SIGNAL, lambda *_: SHUTDOWN.set())
-    from hsx import telemetry
+    from hsx.server import telemetry
 
     settings = get_settings()
     try:
@@ -29,7 +29,7 @@ def work_on_job(job_id: str) -> str:
     finally:
         telemetry.flush()  # a work horse leaves with os._exit, which skips atexit
     if outcome.more_work:
-        from hsx.jobs.queue import enqueue_wakeups
+        from hsx.server.jobs.queue import enqueue_wakeups
 
         enqueue_wakeups(settings, job_id, 1)
     return outcome.summary

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from hsx.settings import get_settings
+from hsx.server.settings import get_settings
 
 
 def run_verify(engine_url: str, reference: bool = False) -> dict[str, Any]:
     """``reference``: once every check passes, also compare each dump's values with a transformers forward
     of the same tokens (``hsx verify --reference``; the engine's model must be a local directory here)."""
-    from hsx.verify import run_verification
+    from hsx.engine.verify import run_verification
 
     settings = get_settings()
     # This worker's dump directory is where it sees its own engine's dumps; for another engine the engine's

@@ -33,8 +33,8 @@ DATA_WAIT = re.compile(r"'perf/data_wait_time_s': ([-+0-9.eE]+|nan|inf)")
 
 
 def expect(dataset: str, engine_url: str, max_length: int, samples_per_shard: int) -> int:
-    from hsx.engine_client import EngineClient
-    from hsx.ingest.records import plan_units
+    from hsx.engine.client import EngineClient
+    from hsx.server.ingest.records import plan_units
     from workers.chat import ChatEncoder
     from workers.job_runner import load_tokenizer
     from workers.output_size import OutputProjector

@@ -146,7 +146,7 @@ start() {
   echo "$HSX_API_URL" > "$S/api_url"
 
   bg redis "$OUT/streamed_redis.log" redis-server --port "$P_REDIS" --bind 127.0.0.1 --save "" --appendonly no
-  wait_for redis 20 redis $PY -c "import sys; from hsx.local_stack import redis_reachable as r; sys.exit(not r('$HSX_REDIS_URL'))" || exit 1
+  wait_for redis 20 redis $PY -c "import sys; from hsx.cli.local_stack import redis_reachable as r; sys.exit(not r('$HSX_REDIS_URL'))" || exit 1
   $PY -m hsx.cli db upgrade > "$OUT/streamed_db.log" 2>&1 || { echo "streamed.sh: db upgrade failed" >&2; exit 1; }
   bg api "$OUT/streamed_api.log" $PY -m hsx.cli api --port "$P_API"
   bg worker "$OUT/streamed_worker.log" $PY -m hsx.cli worker
@@ -158,7 +158,7 @@ start() {
 
   # The job's dataset: every conversation once per epoch, each epoch in SpecForge's own order (seed + epoch).
   local plan prompts expected cap job
-  plan=$($PY -m hsx.streams.specforge_schedule epochs "$TRAIN_JSONL" "$S/train_epochs.jsonl" \
+  plan=$($PY -m hsx.integrations.specforge.schedule epochs "$TRAIN_JSONL" "$S/train_epochs.jsonl" \
     --specforge-config "$S/run.yaml") || exit 1
   prompts=$($PY -c "import json,sys; print(json.loads(sys.argv[1])['prompts'])" "$plan")
   expected=$($PY "$D/streamed.py" expect "$S/train_epochs.jsonl" "$ENGINE_URL" "$MAXLEN" "$SHARD") || exit 1

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hsx.dumps import delete_dump, read_dump
+from hsx.engine.dumps import delete_dump, read_dump
 from hsx.loader import OutputReader
 
 AUX_HF = (2, 15, 27)  # EAGLE-3's default aux layers 1, 14, 26 of a 30-layer model, as HF indices

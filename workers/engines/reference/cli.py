@@ -8,7 +8,7 @@ import os
 import sys
 
 from hsx import contract
-from hsx.serving import add_port_file_option
+from hsx.server.serving import add_port_file_option
 
 
 def parse_aux_layers(text: str) -> list[int]:
@@ -76,8 +76,8 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
-    from hsx.serving import serve
-    from hsx.settings import get_settings
+    from hsx.server.serving import serve
+    from hsx.server.settings import get_settings
     from workers.engines.model_store import resolve_model_dir
     from workers.engines.reference.engine import EngineConfig, ReferenceEngine
     from workers.engines.reference.server import create_app

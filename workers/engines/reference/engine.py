@@ -25,10 +25,10 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from hsx import contract
+from hsx.engine import regenerate_contract as engine_contract
+from hsx.engine.model_identity import model_fingerprint
+from hsx.engine.regenerate_contract import FinishReason, GenerationParams
 from hsx.errors import ReasonError
-from hsx.model_identity import model_fingerprint
-from hsx.regenerate import engine_contract
-from hsx.regenerate.engine_contract import FinishReason, GenerationParams
 from workers.engines.reference.sampling import generator_for, model_eos_ids, next_token
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from transformers import PreTrainedModel
 
-from hsx.regenerate.engine_contract import GenerationParams
+from hsx.engine.regenerate_contract import GenerationParams
 
 
 def generator_for(params: GenerationParams) -> torch.Generator | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx import contract
-from hsx.regenerate import engine_contract
+from hsx.engine import regenerate_contract as engine_contract
 from workers.engines.sglang import guards, layouts
 from workers.engines.sglang.config import (
     DEFAULT_SWITCH_INTERVAL_MS,

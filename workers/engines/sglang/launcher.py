@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hsx import contract
-from hsx.model_identity import model_fingerprint
+from hsx.engine.model_identity import model_fingerprint
 from workers.engines.sglang import guards, layouts, plugin
 from workers.engines.sglang.config import (
     SAFETENSORS_DTYPES,

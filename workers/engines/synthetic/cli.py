@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from hsx.serving import add_port_file_option
+from hsx.server.serving import add_port_file_option
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    from hsx.serving import serve
-    from hsx.settings import get_settings
+    from hsx.server.serving import serve
+    from hsx.server.settings import get_settings
     from workers.engines.synthetic.engine import SyntheticConfig, SyntheticEngine
     from workers.engines.synthetic.server import create_app
 

@@ -27,9 +27,9 @@ import numpy as np
 import numpy.typing as npt
 
 from hsx import contract
-from hsx.model_identity import fingerprint_of
-from hsx.regenerate import engine_contract
-from hsx.regenerate.engine_contract import FinishReason, GenerationParams
+from hsx.engine import regenerate_contract as engine_contract
+from hsx.engine.model_identity import fingerprint_of
+from hsx.engine.regenerate_contract import FinishReason, GenerationParams
 from hsx.safetensors_io import encode_header
 
 log = logging.getLogger(__name__)

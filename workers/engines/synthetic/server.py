@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from hsx import contract
-from hsx.regenerate import engine_contract
-from hsx.regenerate.engine_contract import GenerationParamError, GenerationParams
+from hsx.engine import regenerate_contract as engine_contract
+from hsx.engine.regenerate_contract import GenerationParamError, GenerationParams
 from workers.engines.synthetic.engine import SyntheticEngine
 
 
