@@ -372,7 +372,7 @@ def job_timeline(log_path: Path, doc: dict[str, Any], processes: int | None = No
     seconds after ``started_at`` of the first and the last worker's first claim (how fast the workers
     joined), of the engine's answer to the last prefill and of the last unit's commit (the difference is the
     copy and commit behind the engine); and, summed over the units, every ``*_s`` field their log lines carry
-    (``workers.job_runner``: claiming and waiting for room before the unit; then the collecting thread's
+    (``workers.unit_loop``: claiming and waiting for room before the unit; then the collecting thread's
     waits on the engine, its copying, of which writing, its closing, of which the fsync; the commit).
     With ``processes``, the workers' whole time (processes x the job's seconds) split into those phases."""
     start, end = _timestamp(doc["started_at"]), _timestamp(doc["finished_at"])

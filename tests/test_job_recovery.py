@@ -89,7 +89,7 @@ def test_each_committed_unit_logs_where_its_time_went(
     stack, engine = synth
     data = write_pretokenized(stack.tmp / "d.jsonl", [40] * 6)
     job_id = stack.submit(data, samples_per_shard=3)["id"]
-    with caplog.at_level(logging.INFO, logger="workers.job_runner"):
+    with caplog.at_level(logging.INFO, logger="workers"):
         outcome = runner(engine.url)(job_id).run()
     assert stack.job(job_id)["state"] == "succeeded", outcome
     claims = [r for r in caplog.records if "claimed unit" in r.getMessage()]
@@ -296,7 +296,7 @@ def test_a_brief_engine_outage_is_ridden_out_and_a_long_one_gives_the_unit_back(
 
     data = write_pretokenized(stack.tmp / "d.jsonl", [30] * 4)
     job_id = stack.submit(data, samples_per_shard=4)["id"]
-    monkeypatch.setattr("workers.job_runner.crash_point", lambda n: freeze_after_claim(n, 2.5))
+    monkeypatch.setattr("workers.unit_loop.crash_point", lambda n: freeze_after_claim(n, 2.5))
     runner(engine.url, engine_timeout_seconds=1.0, engine_retries=4)(job_id).run()
     doc = stack.job(job_id)
     assert frozen and doc["state"] == "succeeded", doc
@@ -305,7 +305,7 @@ def test_a_brief_engine_outage_is_ridden_out_and_a_long_one_gives_the_unit_back(
 
     frozen.clear()
     second = stack.submit(data, samples_per_shard=4)["id"]
-    monkeypatch.setattr("workers.job_runner.crash_point", lambda n: freeze_after_claim(n, 0))
+    monkeypatch.setattr("workers.unit_loop.crash_point", lambda n: freeze_after_claim(n, 0))
     try:
         outcome = runner(engine.url, engine_timeout_seconds=1.0, engine_retries=1)(second).run()
     finally:
@@ -314,7 +314,7 @@ def test_a_brief_engine_outage_is_ridden_out_and_a_long_one_gives_the_unit_back(
     doc = stack.job(second)
     assert doc["state"] == "running" and doc["engines"][0]["state"] == "unavailable", doc
     assert [(u["state"], u["failures"]) for u in unit_rows(stack, second)] == [("pending", 0)]
-    monkeypatch.setattr("workers.job_runner.crash_point", real_crash_point)
+    monkeypatch.setattr("workers.unit_loop.crash_point", real_crash_point)
     runner(engine.url)(second).run()
     assert stack.job(second)["state"] == "succeeded"
 
@@ -347,7 +347,7 @@ def test_a_shard_written_after_its_lease_was_taken_is_removed_at_once(
             assert time.monotonic() < deadline, "the heartbeat never found the lease gone"
             time.sleep(0.05)
 
-    monkeypatch.setattr("workers.job_runner.crash_point", lease_taken_after_the_shard)
+    monkeypatch.setattr("workers.unit_pipeline.crash_point", lease_taken_after_the_shard)
     outcome = runner(engine.url)(job_id).run()
     assert staged_then == [".shard-00000.a1.staged"], staged_then
     assert "stopped before commit" in outcome.summary, outcome

@@ -157,7 +157,7 @@ def test_progress_and_eta_move_before_a_single_unit_job_commits(
             processed.set()
             release.wait(30)
 
-    monkeypatch.setattr("workers.job_runner.crash_point", hold_before_commit)
+    monkeypatch.setattr("workers.unit_pipeline.crash_point", hold_before_commit)
     worker = threading.Thread(target=lambda: runner(engine.url)(job_id).run())
     worker.start()
     try:

@@ -48,7 +48,7 @@ def test_every_state_tensor_user_shares_the_order() -> None:
     """The writer (unit processor), the loader and the SGLang plugin name one sample's tensors alike."""
     from hsx.contract import EngineInfo
     from workers.engines.sglang.config import dump_tensor_names
-    from workers.unit_processor import dump_tensors
+    from workers.job_plan import dump_tensors
 
     for final_state in layout.FINAL_STATES:
         info = EngineInfo("reference", "m", 12, 64, "F32", [1, 5, 8], [2, 6, 9, 12], "/d", False)

@@ -20,7 +20,8 @@ from hsx.server.settings import Settings
 from tests.fixtures.engine import RunningEngine, captured_rid, unique_prompt
 from workers.engines.model_store import DEFAULT_MODEL, convert_gguf, resolve_model_dir
 from workers.engines.reference.cli import build_parser
-from workers.engines.reference.engine import PrefixCache, tensor_bytes
+from workers.engines.reference.engine import tensor_bytes
+from workers.engines.reference.prefix_cache import PrefixCache
 from workers.reference_check import compare_with_transformers
 
 MIN_COSINE = 0.999

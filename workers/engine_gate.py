@@ -26,6 +26,7 @@ from hsx.server.jobs import engines_met, queries
 from hsx.server.jobs import repository as repo
 from hsx.server.retry import DATABASE
 from hsx.server.settings import Settings
+from workers.job_view import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,11 @@ class Refusal:
     state: str  # engines_met.UNFIT or UNAVAILABLE
     reason: str
     job_failed: str | None  # the job's error when this refusal ended the job
+
+    def outcome(self) -> Outcome:
+        """What the wake-up reports: this worker takes no more units of the job."""
+        ended = f"; the job failed: {self.job_failed}" if self.job_failed else ""
+        return Outcome(f"engine {self.state}: {self.reason}{ended}", False)
 
 
 class EngineGate:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from hsx.contract import EngineInfo, canonical_state_dtype
 from hsx.safetensors_io import DTYPE_SIZES
 from hsx.server.ingest import Pretokenized, parse_record
-from workers.unit_processor import REJECT, dump_tensors
+from workers.job_plan import REJECT, dump_tensors
 
 if TYPE_CHECKING:
     from workers.chat import ChatEncoder

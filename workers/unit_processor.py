@@ -11,11 +11,7 @@ does an engine that breaks the protocol (:class:`EngineUnfit`: a reply without `
 another dtype than it reported). A prefill that times out while the engine still answers is sent once
 more, then rejected as ``engine_timeout`` (a retriable reason).
 
-A sample longer than the job's ``max_length`` is cut (``truncation: "truncate"``, recorded per sample) or
-rejected as ``too_long`` (``"reject"``); one whose assistant tokens all lie past the cut is ``too_long``
-too, never ``no_assistant_tokens``. A sample the engine cannot take is rejected before it is sent: longer
-than the prompt it says it takes (``too_long``), or with a dump larger than it says it can write
-(``dump_too_large``; an engine would answer it and no dump would ever come).
+What each record is sent as, or why it is rejected before it is sent, is :mod:`workers.sample_encoding`'s.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hsx.contract import RID_PREFIX, EngineInfo, dump_bytes
+from hsx.contract import RID_PREFIX
 from hsx.engine.client import (
     DumpMissing,
     EngineClient,
@@ -43,14 +39,14 @@ from hsx.engine.client import (
     EngineUnfit,
 )
 from hsx.engine.dumps import DumpFile, delete_dump, open_dump, validate_open_dump
-from hsx.engine.validation import DTYPE_MISMATCH, DUMP_TOO_LARGE, ENGINE_TIMEOUT, TOO_LONG, SampleRejected
-from hsx.fsutil import WRITE_BEHIND_WINDOW
-from hsx.layout import state_tensor_names
+from hsx.engine.validation import DTYPE_MISMATCH, ENGINE_TIMEOUT, SampleRejected
 from hsx.safetensors_io import DTYPE_SIZES
 from hsx.server import telemetry
-from hsx.server.ingest import Pretokenized, Record, SampleError
+from hsx.server.ingest import Record
 from hsx.server.jobs.repository import ClaimedUnit, LiveCounts, RejectionRow, TruncationRow
-from workers.shards import ShardInfo, ShardStream, canonical_state_dtype
+from workers.job_plan import JobPlan
+from workers.sample_encoding import SampleEncoder
+from workers.shards import ShardInfo, ShardStream
 
 if TYPE_CHECKING:
     from workers.chat import ChatEncoder
@@ -62,11 +58,6 @@ SAMPLE_ATTEMPTS = 2
 
 class UnitAborted(Exception):
     """The lease was lost, the job was stopped or the worker is shutting down: drop the unit's work."""
-
-
-# A job's choice for samples longer than max_length (JobOptions.truncation).
-TRUNCATE = "truncate"
-REJECT = "reject"
 
 
 @dataclass
@@ -107,13 +98,6 @@ class _Pending:
 
 
 @dataclass(frozen=True)
-class _Encoded:
-    input_ids: list[int]
-    loss_mask: list[int]
-    truncation: TruncationRow | None
-
-
-@dataclass(frozen=True)
 class _Sent:
     """A prefill the engine answered; its dump may still be on its way."""
 
@@ -122,46 +106,17 @@ class _Sent:
     answered_at: float = 0.0  # time.monotonic()
 
 
-def dump_tensors(info: EngineInfo) -> list[str]:
-    """The dump tensors a sample keeps, in shard order (hsx.layout.state_tensor_names)."""
-    return state_tensor_names(info.hf_indices, info.final_state)
-
-
 class UnitProcessor:
-    def __init__(
-        self,
-        client: EngineClient,
-        info: EngineInfo,
-        encoder: Callable[[], ChatEncoder],
-        dump_dir: str,
-        dump_wait_seconds: float,
-        concurrency: int,
-        namespace_cache_per_request: bool,
-        max_inflight_dump_bytes: int = 4 << 30,
-        max_length: int | None = None,
-        truncation: str = TRUNCATE,
-        write_behind: int = WRITE_BEHIND_WINDOW,
-        store_fp8: bool = False,
-    ) -> None:
+    def __init__(self, client: EngineClient, plan: JobPlan, chat: Callable[[], ChatEncoder]) -> None:
         self.client = client
-        self.info = info
-        self._encoder_factory = encoder
-        self._encoder: ChatEncoder | None = None
-        self.dump_dir = dump_dir
-        self.dump_wait_seconds = dump_wait_seconds
-        self.concurrency = max(1, concurrency)
-        self.namespace_cache_per_request = namespace_cache_per_request
-        self.max_inflight_dump_bytes = max_inflight_dump_bytes
-        if truncation not in (TRUNCATE, REJECT):
-            raise ValueError(f"truncation must be {TRUNCATE!r} or {REJECT!r}, not {truncation!r}")
-        self.max_length = max_length
-        self.truncation = truncation
-        self.write_behind = write_behind
-        # The job's state_dtype "fp8_e4m3": the shard holds e4m3 codes and per-token scales (schema 3).
-        self.store_fp8 = store_fp8
-        self.dtype = canonical_state_dtype(info.dtype)
-        self.tensors = dump_tensors(info)
-        self.bytes_per_token = info.hidden_size * DTYPE_SIZES[self.dtype] * len(self.tensors)
+        self.plan = plan
+        self.info = plan.info
+        self.encoder = SampleEncoder(plan, chat)
+        self.dump_dir = plan.dump_dir
+        self.concurrency = plan.concurrency
+        self.dtype = plan.state_dtype
+        self.tensors = plan.tensors
+        self.bytes_per_token = self.info.hidden_size * DTYPE_SIZES[self.dtype] * len(self.tensors)
         self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="prefill")
 
     def close(self) -> None:
@@ -184,7 +139,7 @@ class UnitProcessor:
             for index, raw, record_id in records:
                 if should_stop():
                     raise UnitAborted("lease lost or job stopped")
-                encoded = self._encode(index, raw, record_id)
+                encoded = self.encoder.encode(index, raw, record_id)
                 if isinstance(encoded, RejectionRow):
                     result.rejections.append(encoded)
                     continue
@@ -192,7 +147,7 @@ class UnitProcessor:
                 size = len(ids) * self.bytes_per_token
                 # Bounded look-ahead: each finished capture waits in shared memory until it is streamed.
                 while window and (
-                    len(window) >= 4 * self.concurrency or inflight + size > self.max_inflight_dump_bytes
+                    len(window) >= 4 * self.concurrency or inflight + size > self.plan.max_inflight_dump_bytes
                 ):
                     pending = window.popleft()
                     inflight -= pending.dump_bytes
@@ -227,56 +182,6 @@ class UnitProcessor:
         result.rejections.sort(key=lambda r: r.sample_index)
         return result
 
-    def _encode(self, index: int, raw: Record, record_id: str | None) -> _Encoded | RejectionRow:
-        from workers.chat import EncodeError
-
-        if isinstance(raw, SampleError):
-            return RejectionRow(index, raw.reason, raw.detail, record_id)
-        if isinstance(raw, Pretokenized):
-            ids, mask = raw.input_ids, raw.loss_mask
-        else:
-            if self._encoder is None:
-                self._encoder = self._encoder_factory()
-            try:
-                sample = self._encoder.encode(raw)
-            except EncodeError as exc:
-                return RejectionRow(index, exc.reason, exc.detail, record_id)
-            ids, mask = sample.input_ids, sample.loss_mask
-        fitted = self._fit_length(index, ids, mask, record_id)
-        refusal = None if isinstance(fitted, RejectionRow) else self._engine_refusal(len(fitted.input_ids))
-        if refusal is not None:
-            return RejectionRow(index, *refusal, record_id)
-        return fitted
-
-    def _fit_length(
-        self, index: int, ids: list[int], mask: list[int], record_id: str | None
-    ) -> _Encoded | RejectionRow:
-        """The job's truncation policy, applied to chat and pre-tokenized records alike."""
-        limit = self.max_length
-        if limit is None or len(ids) <= limit:
-            return _Encoded(ids, mask, None)
-        if self.truncation == REJECT:
-            detail = f"{len(ids)} tokens, max_length is {limit} (truncation: reject)"
-            return RejectionRow(index, TOO_LONG, detail, record_id)
-        if not any(mask[:limit]):
-            detail = f"{len(ids)} tokens and no assistant token within the first {limit} (max_length)"
-            return RejectionRow(index, TOO_LONG, detail, record_id)
-        telemetry.samples_truncated(1)
-        return _Encoded(ids[:limit], mask[:limit], TruncationRow(index, len(ids), limit, record_id))
-
-    def _engine_refusal(self, tokens: int) -> tuple[str, str] | None:
-        """Why the engine cannot take a prompt of ``tokens`` (reason, detail), or None when it can."""
-        info = self.info
-        if info.max_prompt_tokens and tokens > info.max_prompt_tokens:
-            return TOO_LONG, f"{tokens} tokens; the engine takes prompts of at most {info.max_prompt_tokens}"
-        if not info.max_prompt_tokens and info.context_length and tokens > info.context_length:
-            return TOO_LONG, f"{tokens} tokens exceed the engine's context length {info.context_length}"
-        size = dump_bytes(tokens, info.hidden_size, len(self.tensors), DTYPE_SIZES[self.dtype])
-        if info.max_dump_bytes and size > info.max_dump_bytes:
-            limit = info.max_dump_bytes
-            return DUMP_TOO_LARGE, f"its dump is {size:,} bytes; the engine writes dumps of at most {limit:,}"
-        return None
-
     def _collect(
         self,
         pending: _Pending,
@@ -302,8 +207,8 @@ class UnitProcessor:
                     dtype=self.dtype,
                     dump_tensors=self.tensors,
                     capacity=unit.sample_end - unit.sample_start,
-                    write_behind=self.write_behind,
-                    store_fp8=self.store_fp8,
+                    write_behind=self.plan.write_behind,
+                    store_fp8=self.plan.store_fp8,
                 )
             counted = outcome.meta.non_finite is not None and all(
                 name in outcome.meta.non_finite for name in self.tensors
@@ -347,7 +252,7 @@ class UnitProcessor:
         rid = (
             f"{RID_PREFIX}{unit.job_id[:8]}-u{unit.unit_index}a{unit.attempt}-s{index}-{uuid.uuid4().hex[:8]}"
         )
-        extra_key = rid if self.namespace_cache_per_request else None
+        extra_key = rid if self.plan.cache_namespace_per_request else None
         started = time.monotonic()
         try:
             response = self.client.prefill(ids, rid, extra_key=extra_key)
@@ -391,7 +296,7 @@ class UnitProcessor:
         dump: DumpFile | None = None
         started = time.monotonic()
         try:
-            dump = open_dump(self.dump_dir, sent.rid, self.dump_wait_seconds)
+            dump = open_dump(self.dump_dir, sent.rid, self.plan.dump_wait_seconds)
             telemetry.dump_wait(time.monotonic() - started)
             failure = validate_open_dump(dump, pending.input_ids, sent.cached_tokens, self.info).first_failure
             if failure is None:

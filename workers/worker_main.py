@@ -96,7 +96,7 @@ def preload_tokenizer(settings: Settings) -> None:
     (every horse needs it to check the job's tokenizer identity). Best effort: an engine that is not up
     yet, or a model without tokenizer files, leaves each horse to load (or miss) it itself."""
     from hsx.engine.client import EngineClient
-    from workers.job_runner import load_tokenizer
+    from workers.job_tokenizer import load_tokenizer
 
     path = settings.tokenizer_path
     try:

@@ -102,7 +102,7 @@ class JobService:
             if existing is None:
                 raise
             return self._same_request(existing, digest), False
-        # One wake-up: the worker that prepares the job wakes more as it claims units (workers.job_runner).
+        # One wake-up: the worker that prepares the job wakes more as it claims units (workers.unit_loop).
         enqueue_wakeups(self.settings, job.id, 1)
         return job, True
 

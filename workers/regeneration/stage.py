@@ -25,11 +25,10 @@ from hsx.server import telemetry
 from hsx.server.db.session import retry_db, session_scope
 from hsx.server.faults import crash_point
 from hsx.server.ingest import Pretokenized, Record, SampleError
-from hsx.server.job_options import JobOptions, RegenerateOptions
+from hsx.server.job_options import RegenerateOptions
 from hsx.server.jobs.repository import ClaimedUnit
 from hsx.server.regenerate import repository as regen_repo
 from hsx.server.regenerate.repository import KeptSample
-from workers.record_stage import UnitRecord
 from workers.regeneration.turns import (
     GENERATION_REJECTED,
     GENERATION_TIMEOUT,
@@ -38,6 +37,7 @@ from workers.regeneration.turns import (
     RegenerateError,
     TurnRegenerator,
 )
+from workers.unit_hooks import UnitRecord
 from workers.unit_processor import UnitAborted
 
 if TYPE_CHECKING:
@@ -235,23 +235,3 @@ class RegenerateStage:
         if outcome.reason is not None or outcome.input_ids is None or outcome.loss_mask is None:
             return index, SampleError(outcome.reason or "regenerate_failed", outcome.detail), record_id
         return index, Pretokenized(input_ids=outcome.input_ids, loss_mask=outcome.loss_mask), record_id
-
-
-def record_stage(
-    options: JobOptions,
-    db_url: str,
-    client: EngineClient,
-    tokenizer: Callable[[], Any],
-    concurrency: int,
-) -> RegenerateStage | None:
-    """The stage a job's options ask for before capture: regeneration, or none."""
-    regenerate = options.regenerate
-    if regenerate is None:
-        return None
-    return RegenerateStage(
-        db_url,
-        client,
-        lambda: TurnRegenerator(tokenizer(), regenerate, options.max_length),
-        regenerate,
-        concurrency,
-    )

@@ -17,7 +17,8 @@ STOP_SIGNAL = signal.SIGUSR1
 
 def work_on_job(job_id: str) -> str:
     """Work on a job until no unit is left to claim (preparing or starting it first if it is queued)."""
-    from workers.job_runner import SHUTDOWN, JobRunner
+    from workers.job_runner import JobRunner
+    from workers.unit_loop import SHUTDOWN
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(STOP_SIGNAL, lambda *_: SHUTDOWN.set())

@@ -36,7 +36,7 @@ def expect(dataset: str, engine_url: str, max_length: int, samples_per_shard: in
     from hsx.engine.client import EngineClient
     from hsx.server.ingest.records import plan_units
     from workers.chat import ChatEncoder
-    from workers.job_runner import load_tokenizer
+    from workers.job_tokenizer import load_tokenizer
     from workers.output_size import OutputProjector
 
     with EngineClient(engine_url) as client:

@@ -1,4 +1,5 @@
-"""The model, the prefix cache, the hidden-state capture and the generation of the reference engine.
+"""The model, the hidden-state capture and the generation of the reference engine (its prefix cache is
+:mod:`.prefix_cache`).
 
 Every ``/generate`` runs the prompt forward (dumped when its rid is captured), then decodes up to
 ``max_new_tokens`` tokens one forward at a time (:mod:`.sampling` picks them). A capture is a generation of
@@ -14,10 +15,9 @@ import os
 import shutil
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from hsx.engine import regenerate_contract as engine_contract
 from hsx.engine.model_identity import model_fingerprint
 from hsx.engine.regenerate_contract import FinishReason, GenerationParams
 from hsx.errors import ReasonError
+from workers.engines.reference.prefix_cache import KvLayers, PrefixCache, kv_layers
 from workers.engines.reference.sampling import generator_for, model_eos_ids, next_token
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # safetensors names of the dtypes a dump can hold
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK_"
-
-# One layer's cached attention keys and values, each [1, kv_heads, tokens, head_dim].
-KvLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class RequestRejected(ReasonError):
@@ -74,73 +72,6 @@ class RequestResult:
     cached_tokens: int
     computed_tokens: int  # prompt tokens computed (not taken from the prefix cache)
     dumped: bool
-
-
-@dataclass
-class _CacheEntry:
-    namespace: str | None
-    input_ids: tuple[int, ...]
-    kv: KvLayers = field(repr=False)
-
-
-class PrefixCache:
-    """The attention caches of recent prompts, reused for later prompts that share a prefix (LRU).
-
-    A stand-in for SGLang's radix cache with the same observable behaviour: a hit skips the shared prefix,
-    always leaves at least one token to compute, and only matches within the same ``extra_key`` namespace.
-    """
-
-    def __init__(self, max_prompts: int) -> None:
-        if max_prompts < 1:
-            raise ValueError("max_prompts must be at least 1")
-        self.max_prompts = max_prompts
-        self._entries: OrderedDict[int, _CacheEntry] = OrderedDict()
-        self._next_key = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def longest_prefix(self, namespace: str | None, input_ids: Sequence[int]) -> tuple[int, KvLayers]:
-        """The longest reusable prefix (at most ``len - 1`` tokens) and its keys and values, cropped."""
-        limit = len(input_ids) - 1
-        best_key, best_len = -1, 0
-        for key, entry in self._entries.items():
-            if entry.namespace != namespace:
-                continue
-            shared = _shared_prefix_length(entry.input_ids, input_ids, limit)
-            if shared > best_len:
-                best_key, best_len = key, shared
-        if best_len == 0:
-            return 0, []
-        self._entries.move_to_end(best_key)
-        entry = self._entries[best_key]
-        return best_len, [(keys[:, :, :best_len], values[:, :, :best_len]) for keys, values in entry.kv]
-
-    def insert(self, namespace: str | None, input_ids: Sequence[int], kv: KvLayers) -> None:
-        ids = tuple(input_ids)
-        # An entry whose prompt is a prefix of this one can serve nothing this one cannot.
-        covered = [
-            key
-            for key, entry in self._entries.items()
-            if entry.namespace == namespace and ids[: len(entry.input_ids)] == entry.input_ids
-        ]
-        for key in covered:
-            del self._entries[key]
-        self._entries[self._next_key] = _CacheEntry(namespace, ids, kv)
-        self._next_key += 1
-        while len(self._entries) > self.max_prompts:
-            self._entries.popitem(last=False)
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-
-def _shared_prefix_length(cached: Sequence[int], prompt: Sequence[int], limit: int) -> int:
-    length = min(len(cached), len(prompt), limit)
-    for position in range(length):
-        if cached[position] != prompt[position]:
-            return position
-    return length
 
 
 class ReferenceEngine:
@@ -297,14 +228,14 @@ class ReferenceEngine:
             cache = self._cache_from(past)
             logits, hidden = self._forward(computed_ids, cache, keep_states=capture)
             if self.prefix_cache is not None and remember:
-                self.prefix_cache.insert(extra_key, input_ids, _kv_layers(cache))
+                self.prefix_cache.insert(extra_key, input_ids, kv_layers(cache))
             if capture:
                 self._write_dump(rid, computed_ids, hidden, prompt_tokens=len(input_ids), cached=reused)
         output_ids, finish = self._decode(logits, cache, params)
         if self.prefix_cache is not None and remember and len(output_ids) > 1:
             # As SGLang's radix cache keeps a finished request's whole sequence: every fed token's keys.
             with self._forward_lock:
-                self.prefix_cache.insert(extra_key, input_ids + output_ids[:-1], _kv_layers(cache))
+                self.prefix_cache.insert(extra_key, input_ids + output_ids[:-1], kv_layers(cache))
         return RequestResult(
             rid=rid,
             output_ids=output_ids,
@@ -444,14 +375,6 @@ def _final_norm(model: PreTrainedModel) -> torch.nn.Module:
     if not isinstance(norm, torch.nn.Module):
         raise ValueError(f"{type(model).__name__}: no final norm found; --final-state pre/both needs one")
     return norm
-
-
-def _kv_layers(cache: DynamicCache) -> KvLayers:
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        return [(layer.keys, layer.values) for layer in layers]
-    # transformers before 4.56 kept the tensors in two parallel lists
-    return list(zip(getattr(cache, "key_cache"), getattr(cache, "value_cache"), strict=True))  # noqa: B009
 
 
 def _cache_kwarg_name(model: PreTrainedModel) -> str:
