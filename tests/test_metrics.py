@@ -122,7 +122,7 @@ def test_worker_telemetry_moves_during_a_job(synthetic_stack: Stack) -> None:
 def test_telemetry_from_another_process_reaches_one_scrape(stack: Stack) -> None:
     """What a worker process pushes (through Redis, under its queue name) is what the API renders."""
     code = (
-        "from hsx import telemetry\n"
+        "from hsx.server import telemetry\n"
         "for s in (0.004, 0.02, 0.3, 400.0): telemetry.engine_request(s)\n"
         "telemetry.dump_wait(0.07)\n"
         "telemetry.bytes_written(4096)\n"
