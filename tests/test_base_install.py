@@ -139,8 +139,10 @@ def base_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     (wheel,) = wheels.glob("hsx-*.whl")
     constraints = str(REPO / "constraints" / "cpu.txt")
-    _checked(_run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], cwd=root))
-    _checked(_run([str(python), "-m", "pip", "install", "-q", "-c", constraints, *base, "torch"], cwd=root))
+    # No byte-compiling: torch alone has thousands of modules, and each test imports only a few of them.
+    install = [str(python), "-m", "pip", "install", "-q", "--no-compile"]
+    _checked(_run([*install, "--no-deps", str(wheel)], cwd=root))
+    _checked(_run([*install, "-c", constraints, *base, "torch"], cwd=root))
     return python
 
 
