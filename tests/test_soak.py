@@ -4,12 +4,12 @@ holds a unit's lease and has no transaction open); every sample must end exactly
 shard.
 
 The CPU reference engine takes about half a second a prefill on this machine, so 2,000 engine-bound samples
-would take a quarter of an hour: four samples of each unit are real conversations (160 go through the
+would take a quarter of an hour: two samples of each unit are real conversations (80 go through the
 engine) and the others are records the pipeline must reject, each with its reason. Every unit commits a
 shard and rejections together, which is what a duplicate or a loss would break.
 
-The engine-served samples must equal an uninterrupted run's, array for array. The 160 real conversations
-cycle through 16 texts, so the uninterrupted run (in process, no kills) needs 16 prefills, not 160; their
+The engine-served samples must equal an uninterrupted run's, array for array. The 80 real conversations
+cycle through 16 texts, so the uninterrupted run (in process, no kills) needs 16 prefills, not 80; their
 input ids still differ from each of their unit neighbours'.
 """
 
@@ -29,7 +29,7 @@ from tests.test_faults import assert_exactly_once, fast_stack, running, uninterr
 
 TOTAL = 2000
 PER_SHARD = 50
-REAL = (0, 13, 26, 39)  # positions in each unit of the conversations that reach the engine
+REAL = (0, 26)  # positions in each unit of the conversations that reach the engine
 CONVERSATIONS = 16  # distinct real conversations, cycled through the real positions
 KILLS = 10  # spread over the job by the units done before each
 WHOLE_WORKER_KILLS = {2, 5, 8}  # these kills take the whole worker (then replaced), the others its horse
