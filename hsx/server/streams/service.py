@@ -29,6 +29,7 @@ from hsx.server.streams.budget import Budget
 from hsx.server.streams.news import announce
 from hsx.server.streams.repository import ItemCounts, LeasedItem
 from hsx.server.streams.room import signal_room
+from hsx.server.streams.views import ConsumerView, consumer_view, consumer_views
 from hsx.streams.contract import CONSUME
 
 log = logging.getLogger(__name__)
@@ -186,9 +187,9 @@ class StreamService:
         self.session.commit()
         return consumer
 
-    def consumers(self, job_id: str) -> list[StreamConsumer]:
+    def consumers(self, job_id: str) -> list[ConsumerView]:
         self._job(job_id)
-        return repo.list_consumers(self.session, job_id)
+        return consumer_views(self.session, job_id, time.time())
 
     def lease(
         self,
@@ -323,16 +324,6 @@ def worth_waking(room: Budget) -> bool:
 
 
 @dataclass(frozen=True)
-class ConsumerStatus:
-    id: str
-    name: str
-    leased_items: int
-    leased_bytes: int
-    items_acked: int
-    idle_seconds: float
-
-
-@dataclass(frozen=True)
 class StreamStatus:
     retention: str
     cap_bytes: int | None
@@ -345,7 +336,7 @@ class StreamStatus:
     items_leased: int
     items_acked: int
     lag_bytes: int
-    consumers: list[ConsumerStatus]
+    consumers: list[ConsumerView]
 
 
 def status(session: Session, job: Job, settings: Settings, now: float) -> StreamStatus | None:
@@ -375,14 +366,5 @@ def status(session: Session, job: Job, settings: Settings, now: float) -> Stream
         items_leased=counts.leased,
         items_acked=counts.acked,
         lag_bytes=counts.ready_bytes,
-        consumers=[
-            ConsumerStatus(
-                c.id,
-                c.name,
-                *leases.get(c.id, (0, 0)),
-                c.items_acked,
-                round(max(now - c.last_seen, 0.0), 1),
-            )
-            for c in consumers
-        ],
+        consumers=[consumer_view(c, leases.get(c.id, (0, 0)), now) for c in consumers],
     )
