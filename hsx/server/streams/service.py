@@ -26,9 +26,8 @@ from hsx.server.jobs.repository import CommittedUnit
 from hsx.server.settings import Settings
 from hsx.server.streams import repository as repo
 from hsx.server.streams.budget import Budget
-from hsx.server.streams.news import announce
+from hsx.server.streams.news import ROOM, announce
 from hsx.server.streams.repository import ItemCounts, LeasedItem
-from hsx.server.streams.room import signal_room
 from hsx.server.streams.views import ConsumerView, consumer_view, consumer_views
 from hsx.streams.contract import CONSUME
 
@@ -109,6 +108,17 @@ def waiting_on_consumers(session: Session, job: Job, settings: Settings, now: fl
         and not room.may_claim_once_deleted()
         and job_queries.claimable_count(session, job.id, now) > 0
     )
+
+
+def cap_holds_back(session: Session, job_id: str, settings: Settings, now: float) -> bool:
+    """A worker's wait for room goes on: the job runs, a unit is left to claim, and the cap refuses it,
+    counting every shard still stored (the waiting worker deletes acknowledged ones before it asks, so a
+    shard it cannot delete keeps it waiting rather than claiming in a loop that the cap refuses)."""
+    job = jobs_repo.get_job(session, job_id)
+    if job is None or job.state != JobState.running.value:
+        return False
+    room = budget(session, job, settings, now)
+    return room is not None and not room.may_claim() and job_queries.claimable_count(session, job_id, now) > 0
 
 
 def wakeable_units(session: Session, job_id: str, settings: Settings, now: float) -> int:
@@ -275,7 +285,7 @@ class StreamService:
         repo.touch_consumer(self.session, consumer.id, now)
         self.session.commit()
         if fresh and retention_of(job.options) == CONSUME and job.state == JobState.running.value:
-            signal_room(self.settings, job_id, fresh)
+            announce(self.settings, job_id, ROOM)  # a worker waiting under the cap looks again
             wake_workers(self.settings, self.session, job_id)
         if fresh and job.state == JobState.succeeded.value:
             announce(self.settings, job_id)  # another group's stream may have ended with these
