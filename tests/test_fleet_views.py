@@ -60,3 +60,27 @@ def test_units_workers_and_engines_show_who_holds_what(
 
     missing = stack.client.get(f"/jobs/{uuid.uuid4()}/units")
     assert missing.status_code == 404 and missing.json()["error"] == "job_not_found", missing.text
+
+
+def test_a_lease_that_ran_out_shows_no_holder_busy(
+    db_url: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unit still marked leased whose lease has run out is claimable again: the views say so as the claim
+    rule does (the one SQL predicate of unit liveness), with no seconds left and no worker busy."""
+    from hsx.server.db.session import session_scope
+    from hsx.server.jobs import queries
+    from hsx.server.jobs import repository as repo
+
+    stack = make_stack(db_url, redis_url, DOWN_ENGINE, tmp_path, monkeypatch)
+    job_id = running_job(db_url, tmp_path / "out", units=2)
+    claimed_at = time.time() - 120  # a 60 s lease taken two minutes ago: it ran out a minute ago
+    with session_scope(db_url) as session:
+        assert repo.claim_unit(session, job_id, f"host-a:11@{ENGINE_A}", 60, claimed_at) is not None
+    with session_scope(db_url) as session:
+        assert queries.claimable_count(session, job_id, time.time()) == 2
+
+    units = stack.client.get(f"/jobs/{job_id}/units").json()
+    assert (units["total"], units["leased"], units["workers_busy"]) == (2, 0, 0), units
+    lapsed = units["items"][0]
+    assert (lapsed["state"], lapsed["worker"], lapsed["lease_seconds_left"]) == ("leased", "host-a:11", None)
+    assert stack.client.get("/workers").json() == []

@@ -1,7 +1,7 @@
 """A Redis that hangs costs each call a stated time, never minutes (issue 33, item 4;
 hsx/server/redis_clients.py).
 
-Short calls (an announce, a room token, a wake-up) give up after ``HSX_REDIS_TIMEOUT_SECONDS`` even in a
+Short calls (an announce, a wake-up) give up after ``HSX_REDIS_TIMEOUT_SECONDS`` even in a
 process where RQ's ``Worker`` has raised the socket timeout of the connections it was handed to 415 s;
 blocking waits hold connections of their own whose timeout outlasts the wait; a job runs through a Redis
 that hangs, and a worker takes the work queued meanwhile once Redis answers again.
@@ -126,17 +126,26 @@ def timed(call: Callable[[], Any], limit: float) -> tuple[float, Any]:
 def test_a_room_wait_longer_than_a_short_call_ends_on_its_own_terms(
     redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """12 s, in a process with no RQ worker: the wait is the server's, not a socket timeout's (on the short
-    calls' pool a wait past 10 s ended in a Redis timeout and a warning, and a longer setting was cut)."""
-    from hsx.server.streams.room import wait_for_room
+    """12 s of a worker's wait for room on the job's news, in a process with no RQ worker: the wait is its
+    own, not a socket timeout's (on the short calls' pool a wait past 10 s ended in a Redis timeout and a
+    warning, and a longer setting was cut), and it looks at the table at least every recheck."""
+    from hsx.server.streams import news
 
     settings = Settings(redis_url=redis_url, queue_name=f"hsx-test-room-{uuid.uuid4().hex[:8]}")
+    looks: list[float] = []
+
+    def look() -> bool:
+        looks.append(time.monotonic())
+        return True  # the cap still holds the unit back
+
     with caplog.at_level(logging.WARNING):
         started = time.monotonic()
-        woken = wait_for_room(settings, "job-a", 12)
+        held = news.wait_blocking(settings, "job-a", 12, look, lambda held: held)
         waited = time.monotonic() - started
-    assert woken is False
+    assert held is True
     assert waited >= 11.5, f"the wait ended after {waited:.1f}s, before the 12 s it asked for"
+    gaps = [b - a for a, b in zip(looks, looks[1:], strict=False)]
+    assert len(looks) >= 2 and max(gaps) <= news.RECHECK_SECONDS + SLACK, gaps
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -144,16 +153,27 @@ def test_waits_on_a_redis_that_hangs_end_within_their_wait_and_the_bound(
     private_redis: PrivateRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
     from hsx.server.streams import news
-    from hsx.server.streams.room import wait_for_room
 
     settings = settings_on(private_redis.url)
     workers = as_a_worker_process(settings)
     try:
         private_redis.stop()
+        # A worker waiting for room that cannot subscribe looks at the table every recheck, and ends when
+        # it asked to, within its wait and the bound of connecting.
+        worker_looks: list[float] = []
+
+        def worker_look() -> bool:
+            worker_looks.append(time.monotonic())
+            return True
+
         with caplog.at_level(logging.WARNING):
-            seconds, woken = timed(lambda: wait_for_room(settings, "job-a", 1), 1 + BOUND + 30)
-        assert woken is False and seconds <= 1 + BOUND + SLACK, seconds
-        assert "could not wait for room" in caplog.text
+            seconds, held = timed(
+                lambda: news.wait_blocking(settings, "job-a", 1, worker_look, lambda held: held),
+                1 + BOUND + 30,
+            )
+        assert held is True and seconds <= 1 + BOUND + SLACK, seconds
+        assert worker_looks, "the wait looked at the table"
+        assert "could not listen for news" in caplog.text
 
         # A waiting lease (an API process's) that cannot subscribe looks at the table every recheck, and
         # ends when it asked to: before, it waited for as long as Redis hung.
@@ -187,7 +207,6 @@ def test_a_worker_process_short_calls_return_within_the_bound_while_redis_hangs(
     from hsx.server.jobs.queue import enqueue_wakeups, wake_idle_workers
     from hsx.server.redis_clients import redis_connection
     from hsx.server.streams.news import announce
-    from hsx.server.streams.room import signal_room
 
     settings = settings_on(private_redis.url)
     workers = as_a_worker_process(settings)
@@ -199,7 +218,6 @@ def test_a_worker_process_short_calls_return_within_the_bound_while_redis_hangs(
         with caplog.at_level(logging.WARNING):
             for name, call in (
                 ("announce", lambda: announce(settings, "job-a")),
-                ("signal_room", lambda: signal_room(settings, "job-a")),
                 ("enqueue_wakeups", lambda: enqueue_wakeups(settings, "job-a", 1)),
                 ("wake_idle_workers", lambda: wake_idle_workers(settings, "job-a", 3)),
             ):
@@ -208,7 +226,7 @@ def test_a_worker_process_short_calls_return_within_the_bound_while_redis_hangs(
                 if name == "wake_idle_workers":
                     assert isinstance(value, RedisTimeout), value  # its callers log it and go on
         # The best-effort calls said what they could not do.
-        for said in ("could not announce", "could not signal room", "could not enqueue wake-ups"):
+        for said in ("could not announce", "could not enqueue wake-ups"):
             assert said in caplog.text, caplog.text
     finally:
         private_redis.resume()

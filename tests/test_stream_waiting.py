@@ -2,7 +2,8 @@
 a unit's commit adds, the job's end, a cancel, a reader leaving. Each test makes the lease's own re-read of
 the table (``RECHECK_SECONDS``) longer than the test, so an answer that came at all came from the news, and
 counts how often the lease read the table: once before the news and once after it. A lease that has not
-answered by half its wait did not hear the news (its wait would answer at the end, with a last read).
+answered by half its wait did not hear the news (its wait would answer at the end, with a last read). A
+worker waiting for room under a consume job's cap waits on the same news, and is tested the same way.
 
 Real synthetic engine, real PostgreSQL/SQLite and Redis; the API through its real app in this process, the
 job runner in this process as a work horse would run it."""
@@ -294,3 +295,39 @@ def test_news_of_an_item_wakes_the_longest_waiting_lease_and_other_news_wakes_al
     assert got["after_item"] == {"first": 2, "second": 1, "third": 1}
     assert got["done"] == [True, True, True] and looked == {"first": 3, "second": 2, "third": 2}
     assert got["left"] == 0  # the last to leave ended the subscription
+
+
+def test_news_of_room_ends_a_workers_wait_for_room_at_once(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose claim the cap refused waits on the same news as the leases, on a blocking connection of
+    its own: an acknowledgement's news makes it look at the table again now, not at its next recheck."""
+    import uuid
+
+    from hsx.server.settings import Settings
+    from hsx.server.streams import news
+
+    monkeypatch.setattr(news, "RECHECK_SECONDS", LONG)
+    settings = Settings(redis_url=redis_url, queue_name=f"news-{uuid.uuid4().hex[:8]}")
+    looked = threading.Event()
+    room = threading.Event()
+    looks: list[bool] = []
+
+    def look() -> bool:
+        looks.append(not room.is_set())
+        looked.set()
+        return looks[-1]  # held back until the room is made
+
+    answers: list[bool] = []
+    waiting = threading.Thread(
+        target=lambda: answers.append(news.wait_blocking(settings, "job", 2 * LONG, look, lambda held: held)),
+        daemon=True,
+    )
+    started = time.monotonic()
+    waiting.start()
+    assert looked.wait(LONG), "the wait never looked"  # subscribed, and read the table once
+    room.set()
+    news.announce(settings, "job", news.ROOM)
+    waiting.join(ON_NEWS)
+    assert answers == [False], "the wait did not end on the news of room"
+    assert looks == [True, False] and time.monotonic() - started < ON_NEWS

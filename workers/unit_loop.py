@@ -3,7 +3,9 @@ consumers acknowledged to make room), run the attempt (:mod:`workers.unit_attemp
 to claim, the worker is asked to stop, or the attempt says this worker should take no more.
 
 Each claim that leaves more work behind makes sure a wake-up is waiting in the queue, so every idle worker
-joins in. The job is finalized by whichever worker finds nothing left to claim.
+joins in. A claim the cap refuses waits a while on the job's stream news for room
+(:func:`hsx.server.streams.news.wait_blocking`) before it gives the job up. The job is finalized by whichever
+worker finds nothing left to claim.
 """
 
 from __future__ import annotations
@@ -23,10 +25,9 @@ from hsx.server.jobs.queue import wake_idle_workers
 from hsx.server.jobs.repository import ClaimedUnit
 from hsx.server.logging_setup import log_context
 from hsx.server.settings import Settings
+from hsx.server.streams import news
 from hsx.server.streams import service as stream_service
 from hsx.server.streams.deletion import BackgroundDeletion
-from hsx.server.streams.news import announce
-from hsx.server.streams.room import wait_for_room
 from workers.engine_gate import EngineGate
 from workers.job_view import Outcome
 from workers.unit_attempt import UnitAttempt, rounded
@@ -81,9 +82,15 @@ class UnitLoop:
                 if freed:
                     continue
                 waiting = time.monotonic()
-                room = wait_for_room(self.settings, self.job_id, self.settings.stream_room_wait_seconds)
+                held_back = news.wait_blocking(
+                    self.settings,
+                    self.job_id,
+                    self.settings.stream_room_wait_seconds,
+                    lambda: self._held_back(deletion),
+                    lambda held: held,
+                )
                 before["room_wait_s"] += time.monotonic() - waiting
-                if room:
+                if not held_back:
                     continue
                 # No wake-up is queued: the acknowledgement that makes room wakes a worker (backpressure).
                 summary = f"{done_here} unit(s); waiting for consumers under the byte cap"
@@ -122,6 +129,19 @@ class UnitLoop:
                 return None, queries.claimable_count(session, self.job_id, now) > 0
             return repo.claim_unit(session, self.job_id, self.owner, self.settings.lease_seconds, now), False
 
+    def _held_back(self, deletion: BackgroundDeletion) -> bool:
+        """Whether the cap still holds the next unit back, once what consumers acknowledged is deleted here
+        (a worker asked to stop waits no longer: the loop returns before it claims again)."""
+        if SHUTDOWN.is_set():
+            return False
+        deletion.now()
+
+        def look() -> bool:
+            with session_scope(self.db_url) as session:
+                return stream_service.cap_holds_back(session, self.job_id, self.settings, time.time())
+
+        return bool(retry_db(look))
+
     def wake_more(self) -> None:
         """Keep a wake-up waiting for every idle worker while units are claimable, so they all join at
         once (best effort: the reconciler keeps one queued from the job table whatever Redis lost)."""
@@ -135,5 +155,5 @@ class UnitLoop:
     def _finalize(self) -> bool:
         finished = finalize_if_complete(self.db_url, self.job_id)
         if finished:
-            announce(self.settings, self.job_id)  # waiting leases learn that the stream ends
+            news.announce(self.settings, self.job_id)  # waiting leases learn that the stream ends
         return finished

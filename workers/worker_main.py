@@ -167,7 +167,7 @@ def serve(settings: Settings, burst: bool, reconcile: bool) -> int:
 def new_worker(settings: Settings) -> HsxWorker:
     """An RQ worker on a connection of RQ's own (:func:`hsx.server.redis_clients.rq_connection`): RQ raises
     the socket timeout of the pool it is given to its blocking pop, 415 s. Given the process's short-call
-    pool, it raised every announce, wake-up and room token of this worker and of its horses to that, a call
+    pool, it raised every announce and wake-up of this worker and of its horses to that, a call
     that could block for minutes on a Redis that hangs."""
     connection = rq_connection(settings)
     return HsxWorker([queue_for(settings, connection)], connection=connection)

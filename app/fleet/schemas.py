@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 
 class UnitOut(BaseModel):
     """A unit as hsx.server.jobs.queries.UnitRow has it (validated from that row; its lease owner and expiry
     are shown as the worker, engine and seconds left below)."""
+
+    # Read from the row by attribute: a field is named once, in the library's row, and shown here.
+    model_config = ConfigDict(from_attributes=True)
 
     unit_index: int
     state: str

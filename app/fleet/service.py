@@ -7,7 +7,6 @@ Read-only views for the dashboard and ``hsx watch``. A lease owner is ``host:pid
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy.orm import Session
@@ -30,15 +29,9 @@ class FleetService:
 
     def units(self, job_id: str) -> schemas.UnitPage:
         JobService(self.session, self.settings).get(job_id)
-        now = time.time()
-        items: list[schemas.UnitOut] = []
-        for u in queries.units_of(self.session, job_id):
-            worker, engine = split_lease_owner(u.lease_owner)
-            live = u.state == "leased" and u.lease_expires is not None and u.lease_expires >= now
-            left = round(u.lease_expires - now, 1) if live and u.lease_expires else None
-            # The row's own fields as the repository names them, and what this view derives from its lease.
-            derived = {"worker": worker, "engine": engine, "lease_seconds_left": left}
-            items.append(schemas.UnitOut.model_validate({**asdict(u), **derived}))
+        items = [
+            schemas.UnitOut.model_validate(u) for u in queries.units_of(self.session, job_id, time.time())
+        ]
         leased = [i for i in items if i.lease_seconds_left is not None]
         return schemas.UnitPage(
             items=items, total=len(items), leased=len(leased), workers_busy=len({i.worker for i in leased})

@@ -21,6 +21,11 @@ def _as_utc(value: datetime) -> datetime:
 
 UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
 
+# Read by attribute from the library's own rows and types (hsx.server.db.models.Shard, Rejection and
+# Truncation, hsx.server.jobs.queries.FailedUnit, hsx.server.jobs.repository.LiveCounts): a field is named
+# once, there, and described here.
+_FROM_LIBRARY = ConfigDict(from_attributes=True)
+
 
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -32,6 +37,8 @@ class JobCreate(BaseModel):
 
 class InFlight(BaseModel):
     """Handled by units still at work: counted in progress, committed (and exact) once the unit commits."""
+
+    model_config = _FROM_LIBRARY
 
     samples_done: int
     samples_rejected: int
@@ -67,6 +74,8 @@ class RegenerateProgress(BaseModel):
 
 
 class ShardOut(BaseModel):
+    model_config = _FROM_LIBRARY
+
     path: str
     sha256: str
     bytes: int
@@ -81,6 +90,8 @@ class ShardsPreview(BaseModel):
 
 
 class RejectionOut(BaseModel):
+    model_config = _FROM_LIBRARY
+
     sample_index: int
     record_id: str | None = Field(None, description='The record\'s own "id" or "conversation_id".')
     reason: str
@@ -88,6 +99,8 @@ class RejectionOut(BaseModel):
 
 
 class TruncationOut(BaseModel):
+    model_config = _FROM_LIBRARY
+
     sample_index: int
     record_id: str | None
     tokens: int = Field(description="Tokens before the cut.")
@@ -95,6 +108,8 @@ class TruncationOut(BaseModel):
 
 
 class FailedUnitOut(BaseModel):
+    model_config = _FROM_LIBRARY
+
     unit_index: int
     failures: int
     error: str | None

@@ -239,11 +239,7 @@ class JobService:
             units_total=job.units_total,
             units_done=job.units_done,
             fraction=round(min(handled / job.samples_total, 1.0), 4) if job.samples_total else 0.0,
-            in_flight=schemas.InFlight(
-                samples_done=live.samples_done, samples_rejected=live.samples_rejected, tokens=live.tokens
-            )
-            if in_flight
-            else None,
+            in_flight=schemas.InFlight.model_validate(live) if in_flight else None,
         )
 
     def output(self, job: Job) -> schemas.OutputOut:
@@ -269,22 +265,12 @@ class JobService:
 
     def rejections(self, job_id: str, limit: int, offset: int) -> schemas.RejectionPage:
         page = queries.rejection_page(self.session, self.get(job_id).id, limit, offset)
-        items = [
-            schemas.RejectionOut(
-                sample_index=r.sample_index, record_id=r.record_id, reason=r.reason, detail=r.detail
-            )
-            for r in page.items
-        ]
+        items = [schemas.RejectionOut.model_validate(r) for r in page.items]
         return schemas.RejectionPage(items=items, total=page.total, limit=limit, offset=offset)
 
     def truncations(self, job_id: str, limit: int, offset: int) -> schemas.TruncationPage:
         page = queries.truncation_page(self.session, self.get(job_id).id, limit, offset)
-        items = [
-            schemas.TruncationOut(
-                sample_index=t.sample_index, record_id=t.record_id, tokens=t.tokens, kept=t.kept
-            )
-            for t in page.items
-        ]
+        items = [schemas.TruncationOut.model_validate(t) for t in page.items]
         return schemas.TruncationPage(items=items, total=page.total, limit=limit, offset=offset)
 
     def document(self, job: Job) -> schemas.JobOut:
@@ -306,8 +292,7 @@ class JobService:
             output=self.output(job),
             engine_wait=admission.wait_statement(self.settings),
             units_failed=[
-                schemas.FailedUnitOut(unit_index=u.unit_index, failures=u.failures, error=u.error)
-                for u in queries.failed_units(self.session, job.id)
+                schemas.FailedUnitOut.model_validate(u) for u in queries.failed_units(self.session, job.id)
             ],
             shards=schemas.ShardsPreview(
                 total=first.total, items=_shards_out(first.items), href=f"/jobs/{job.id}/shards"
@@ -364,10 +349,7 @@ class JobService:
 
 
 def _shards_out(rows: list[Shard]) -> list[schemas.ShardOut]:
-    return [
-        schemas.ShardOut(path=s.path, sha256=s.sha256, bytes=s.bytes, samples=s.samples, tokens=s.tokens)
-        for s in rows
-    ]
+    return [schemas.ShardOut.model_validate(s) for s in rows]
 
 
 def _elapsed_seconds(job: Job) -> float | None:

@@ -2,38 +2,17 @@
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter, Depends, Response, status
 from fastapi.concurrency import run_in_threadpool
 
 from app.deps import SessionDep, SettingsDep
 from app.jobs.endpoints import ERRORS, document_cache, json_body
 from app.streams import schemas
-from hsx.server.db.stream_models import StreamConsumer
 from hsx.server.streams import news
-from hsx.server.streams import repository as repo
 from hsx.server.streams.service import LeaseAnswer, StreamService
+from hsx.server.streams.views import consumer_view
 
 router = APIRouter(prefix="/jobs/{job_id}/consumers", tags=["streams"])
-
-
-def consumer_out(
-    consumer: StreamConsumer, leases: dict[str, tuple[int, int]], now: float
-) -> schemas.ConsumerOut:
-    items, nbytes = leases.get(consumer.id, (0, 0))
-    return schemas.ConsumerOut(
-        id=consumer.id,
-        job_id=consumer.job_id,
-        name=consumer.name,
-        group=consumer.group_name,
-        lease_seconds=consumer.lease_seconds,
-        leased_items=items,
-        leased_bytes=nbytes,
-        items_acked=consumer.items_acked,
-        bytes_acked=consumer.bytes_acked,
-        idle_seconds=round(max(now - consumer.last_seen, 0.0), 1),
-    )
 
 
 @router.post(
@@ -49,15 +28,14 @@ def register_consumer(
     consumer = StreamService(session, settings).register(job_id, body.name, body.lease_seconds, body.group)
     response.headers["Location"] = f"/jobs/{job_id}/consumers/{consumer.id}"
     document_cache(settings).forget(job_id)
-    return consumer_out(consumer, {}, time.time())
+    # A new consumer holds nothing, and was heard from just now.
+    return schemas.ConsumerOut.model_validate(consumer_view(consumer, (0, 0), consumer.last_seen))
 
 
 @router.get("", response_model=schemas.ConsumerPage, responses=ERRORS)
 def list_consumers(job_id: str, session: SessionDep, settings: SettingsDep) -> schemas.ConsumerPage:
     consumers = StreamService(session, settings).consumers(job_id)
-    now = time.time()
-    leases = repo.consumer_leases(session, job_id, now)
-    return schemas.ConsumerPage(items=[consumer_out(c, leases, now) for c in consumers])
+    return schemas.ConsumerPage(items=[schemas.ConsumerOut.model_validate(c) for c in consumers])
 
 
 @router.post(

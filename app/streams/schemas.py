@@ -11,6 +11,10 @@ from hsx.streams.contract import LEASE_WAIT_MAX_SECONDS
 ROW_INT_MAX = 2**31 - 1
 # A lease names at most this many received deliveries (a consumer holds far fewer at once).
 SEEN_MAX = 1000
+# The answers are read from the stream library's own types by attribute (hsx.server.streams.views'
+# ConsumerView, hsx.server.streams.service's LeaseAnswer, AckAnswer and StreamStatus,
+# hsx.server.streams.repository's LeasedItem): a field is named once, there, and described here.
+_FROM_LIBRARY = ConfigDict(from_attributes=True)
 
 
 class ConsumerCreate(BaseModel):
@@ -34,6 +38,8 @@ class ConsumerCreate(BaseModel):
 
 
 class ConsumerOut(BaseModel):
+    model_config = _FROM_LIBRARY
+
     id: str
     job_id: str
     name: str
@@ -77,12 +83,6 @@ class LeaseRequest(BaseModel):
         "running out, another reader leaving) or the stream's end before answering, instead of answering "
         "empty at once: a consumer that waits here need not poll. 0: answer at once.",
     )
-
-
-# The answers below are read from the stream service's own types (hsx.server.streams.service.LeaseAnswer and
-# AckAnswer, hsx.server.streams.repository.LeasedItem) by attribute: a field is named once, there, and
-# described here.
-_FROM_LIBRARY = ConfigDict(from_attributes=True)
 
 
 class LeasedItemOut(BaseModel):
@@ -145,6 +145,8 @@ class AckOut(BaseModel):
 
 
 class StreamConsumerStatus(BaseModel):
+    model_config = _FROM_LIBRARY
+
     id: str
     name: str
     leased_items: int
@@ -154,6 +156,8 @@ class StreamConsumerStatus(BaseModel):
 
 
 class StreamStatus(BaseModel):
+    model_config = _FROM_LIBRARY
+
     retention: str
     cap_bytes: int | None = Field(description="consume: the byte cap; keep: none.")
     buffered_bytes: int = Field(description="Committed and not acknowledged.")

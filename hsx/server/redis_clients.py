@@ -1,6 +1,6 @@
 """A process's Redis connections, three kinds, so that a Redis that hangs costs each caller a known time.
 
-* **Short calls** (a wake-up enqueued, a room token, stream news, a readiness ping, a scrape):
+* **Short calls** (a wake-up enqueued, stream news published, a readiness ping, a scrape):
   :func:`redis_connection`, one pool per URL and bound in a process. Connecting and each reply are cut at
   ``HSX_REDIS_TIMEOUT_SECONDS`` and nothing is retried, so a call to a Redis that does not answer fails
   after that long, and its caller degrades as it does for any Redis error (the job table decides; the
@@ -8,17 +8,18 @@
   ``Worker`` raises the socket timeout of the pool of any connection it is handed to its dequeue wait (415 s
   by default, ``Worker._set_connection``), and it is handed ours by ``Worker.all`` when counting idle
   workers; a horse forked afterwards inherits the pool's settings too.
-* **Blocking waits** (a worker waiting for room under a consume job's cap): :func:`waiting_connection`, on
-  connections of their own whose socket timeout is the wait plus the bound, so a wait ends on its own
-  terms, with no Redis timeout, however long the setting asks for.
+* **Blocking waits** (a worker listening for its job's stream news while it waits for room under a consume
+  job's cap): :func:`waiting_connection`, on connections of their own whose socket timeout is the longest
+  read of the wait plus the bound, so a wait ends on its own terms, with no Redis timeout, however long
+  the setting asks for.
 * **RQ's own** (the worker's blocking pop for wake-ups, its heartbeats and command channel):
   :func:`rq_connection`, a fresh pool that RQ sets as it needs. RQ's calls on it may wait out a hung Redis
   (an idle worker's pop, a horse's start and end), and go on once it answers; the work in a horse never
   waits on them.
 
-Stream news (:mod:`hsx.server.streams.news`) subscribes through redis' asyncio client, on connections of its
-own: each read of a subscription names its own timeout, and connecting and subscribing are bounded as a
-short call is.
+Stream news (:mod:`hsx.server.streams.news`) is heard by waiting leases in the API through redis' asyncio
+client, on connections of its own: each read of a subscription names its own timeout, and connecting and
+subscribing are bounded as a short call is.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _no_retry() -> Retry:
 
 def _pool(url: str, socket_timeout: float, connect_timeout: float) -> ConnectionPool:
     """The process's pool for these arguments, made once, its socket timeout pinned. A fresh pool a call
-    cost the API a TCP connect (and its teardown) for every room token, wake-up and stream news an
+    cost the API a TCP connect (and its teardown) for every wake-up and stream news an
     acknowledgement sends (about 14 ms of CPU a stream request, bench/RESULTS.md). redis-py's pool notices
     a fork and starts empty in the child, so a work horse never shares its parent's sockets."""
     key = (url, socket_timeout, connect_timeout)

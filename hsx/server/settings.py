@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     database_url: str = ""  # empty: an embedded SQLite file under data_dir
     redis_url: str = "redis://127.0.0.1:6379/0"
     queue_name: str = "hsx"
-    # The most a short Redis call (a wake-up, a room token, stream news, a ping) waits to connect or for one
+    # The most a short Redis call (a wake-up, stream news published, a ping) waits to connect or for one
     # reply; none is retried, so a Redis that hangs costs each such call this long, then its caller goes on
     # as for any Redis error. Blocking waits get their own connections, timed out this long after their
     # wait (hsx/server/redis_clients.py).
@@ -160,8 +160,8 @@ class Settings(BaseSettings):
     # an item it leased without acknowledging it before the item goes to another consumer.
     stream_buffer_cap_bytes: int = 8 << 30
     stream_lease_seconds: float = 300.0
-    # A worker that finds a consume job at its cap waits this long for an acknowledgement (blocking on
-    # Redis) before it leaves the job to the queue's wake-up; 0 leaves at once.
+    # A worker that finds a consume job at its cap waits this long for room (on the job's stream news, and
+    # reading the table every second) before it leaves the job to the queue's wake-up; 0 leaves at once.
     stream_room_wait_seconds: float = 10.0
     # Logs: "json" (one object a line) or "text" (key=value); both carry job, unit, attempt and rid.
     log_format: Literal["json", "text"] = "text"

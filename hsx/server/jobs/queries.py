@@ -55,6 +55,8 @@ class Totals:
 
 @dataclass(frozen=True)
 class UnitRow:
+    """A unit as the fleet views show it (``GET /jobs/{id}/units`` validates its answer from this row)."""
+
     unit_index: int
     state: str
     attempt: int
@@ -64,8 +66,18 @@ class UnitRow:
     samples_rejected: int
     tokens: int
     lease_owner: str | None
-    lease_expires: float | None
+    # Seconds until a live lease runs out; None when the unit is not held under one (read through
+    # unit_lease_live, so a view and a claim never disagree on whether a lease holds).
+    lease_seconds_left: float | None
     finished_at: datetime | None
+
+    @property
+    def worker(self) -> str | None:
+        return split_lease_owner(self.lease_owner)[0]
+
+    @property
+    def engine(self) -> str | None:
+        return split_lease_owner(self.lease_owner)[1]
 
 
 @dataclass(frozen=True)
@@ -224,9 +236,11 @@ def failed_units(session: Session, job_id: str, limit: int = 20) -> list[FailedU
     return [FailedUnit(int(i), int(n), e) for i, n, e in rows]
 
 
-def units_of(session: Session, job_id: str) -> list[UnitRow]:
-    units = session.scalars(
-        select(WorkUnit).where(WorkUnit.job_id == job_id).order_by(WorkUnit.unit_index)
+def units_of(session: Session, job_id: str, now: float) -> list[UnitRow]:
+    rows = session.execute(
+        select(WorkUnit, unit_lease_live(now).label("lease_live"))
+        .where(WorkUnit.job_id == job_id)
+        .order_by(WorkUnit.unit_index)
     ).all()
     return [
         UnitRow(
@@ -239,10 +253,10 @@ def units_of(session: Session, job_id: str) -> list[UnitRow]:
             samples_rejected=u.samples_rejected,
             tokens=int(u.tokens),
             lease_owner=u.lease_owner,
-            lease_expires=u.lease_expires,
+            lease_seconds_left=round(float(u.lease_expires or 0) - now, 1) if live else None,
             finished_at=aware(u.finished_at),
         )
-        for u in units
+        for u, live in rows
     ]
 
 

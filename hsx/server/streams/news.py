@@ -1,15 +1,22 @@
-"""A stream's news, through Redis pub/sub: what may change a lease's answer (a unit's commit, which adds an
-item; an acknowledgement or a consumer leaving, which may end another reader's stream or free items; the
-job ending). A lease that finds nothing waits for news instead of being polled: a consumer polling every
-20 ms cost the API 7 to 10 times a keep job's CPU in empty leases (bench/RESULTS.md, issue 26).
+"""A stream's news, through Redis pub/sub: the one signal of "this job's stream changed" (a unit's commit,
+which adds an item; an acknowledgement, which may end another reader's stream, free items or make room under
+a consume job's cap; a consumer leaving; the job ending). Two kinds of waiter hear it, and neither is polled:
 
-Best effort both ways, as the room signal is (:mod:`hsx.server.streams.room`): news is only a reason to look
-again, the table decides, and a waiting lease looks again at least every ``RECHECK_SECONDS`` whatever it
-hears, so lost news, a lease that ran out and a job that failed are all seen within that.
+* a lease that finds nothing, in an API process (:func:`wait_for`): a consumer polling every 20 ms cost the
+  API 7 to 10 times a keep job's CPU in empty leases (bench/RESULTS.md, issue 26);
+* a worker whose claim the cap refused (:func:`wait_blocking`): it waits for room in its work horse instead
+  of leaving the job, since a horse started afresh for every acknowledgement costs more than the unit it
+  writes.
+
+Best effort both ways: news is only a reason to look again, the tables decide (the claim rule, the lease),
+and a waiter looks again at least every ``RECHECK_SECONDS`` whatever it hears, so lost news, a lease that
+ran out and a job that failed are all seen within that.
 
 In an API process, the waiting leases of one job share one subscription (:class:`_Listener`). News of a
 new item wakes one of them, the one that has waited longest: an item goes to one consumer, and waking every
-waiter for each commit made N consumers read the table N times an item. Any other news wakes them all."""
+waiter for each commit made N consumers read the table N times an item. News of room wakes no lease (only a
+worker waits for it); any other news wakes them all. A waiting worker subscribes on its own blocking
+connection and looks again on any news but an item's (a commit adds to the buffer, it frees nothing)."""
 
 from __future__ import annotations
 
@@ -24,17 +31,20 @@ from typing import TypeVar
 from redis import asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
+from redis.client import PubSub
 
-from hsx.server.redis_clients import redis_connection
+from hsx.server.redis_clients import redis_connection, waiting_connection
 from hsx.server.settings import Settings
 
 log = logging.getLogger(__name__)
 
 NEWS_PREFIX = "hsx-stream-news-"
-# How long a waiting lease trusts the news: at most this long between two reads of the table.
+# How long a waiter trusts the news: at most this long between two reads of the tables.
 RECHECK_SECONDS = 1.0
-# What a message says: one more item to hand out (one waiter looks), or anything else (every waiter looks).
+# What a message says: one more item to hand out (one waiting lease looks, no worker), acknowledgements that
+# may have made room under the cap (every waiting worker looks, no lease), or anything else (everyone looks).
 ITEM = "item"
+ROOM = "room"
 ANY = "any"
 
 Answer = TypeVar("Answer")
@@ -163,6 +173,8 @@ class _Listener:
             await self._stop()
 
     def _deliver(self, news: str) -> None:
+        if news == ROOM:
+            return  # room under the cap is for waiting workers: it hands no lease anything
         if news == ITEM:
             # The one waiting longest that is not already woken: it looks, and takes the item or leaves it
             # to a recheck (another API process's waiter may have taken it first).
@@ -182,8 +194,7 @@ class _Listener:
                     ignore_subscribe_messages=True, timeout=RECHECK_SECONDS
                 )
                 if message is not None:
-                    data = message.get("data")
-                    self._deliver(data.decode() if isinstance(data, bytes) else str(data))
+                    self._deliver(_news_of(message))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the waiters go on by looking every recheck
@@ -210,4 +221,85 @@ async def _close(pubsub: aioredis.client.PubSub) -> None:
     try:
         await pubsub.aclose()
     except Exception as exc:  # noqa: BLE001 - closing a broken connection is no error of the lease
+        log.debug("closing the news connection: %s", exc)
+
+
+def _news_of(message: dict[str, object]) -> str:
+    data = message.get("data")
+    return data.decode() if isinstance(data, bytes) else str(data)
+
+
+# --- a worker's wait, blocking ----------------------------------------------------------------------------
+
+
+def wait_blocking(
+    settings: Settings,
+    job_id: str,
+    seconds: float,
+    look: Callable[[], Answer],
+    worth_waiting: Callable[[Answer], bool],
+) -> Answer:
+    """:func:`wait_for` for a thread that may block (a work horse waiting for room under the cap): ``look()``
+    until its answer is not ``worth_waiting`` on, or ``seconds`` have passed; once at once, then on news
+    other than an item's and at least every ``RECHECK_SECONDS``. The subscription is confirmed before the
+    first look, so news that comes during a look is read by the next wait, which ends at once."""
+    if seconds <= 0:
+        return look()
+    deadline = time.monotonic() + seconds
+    subscription = _subscribe(settings, job_id, min(seconds, RECHECK_SECONDS))
+    try:
+        answer = look()
+        while worth_waiting(answer) and (left := deadline - time.monotonic()) > 0:
+            subscription = _hear(subscription, job_id, min(left, RECHECK_SECONDS))
+            answer = look()
+        return answer
+    finally:
+        if subscription is not None:
+            _close_blocking(subscription)
+
+
+def _subscribe(settings: Settings, job_id: str, within: float) -> PubSub | None:
+    """The job's news on a connection of the wait's own
+    (:func:`~hsx.server.redis_clients.waiting_connection`), whose socket timeout outlasts each of the wait's
+    reads (a recheck at most) by the short calls' bound: a read ends on its own terms, never in a Redis
+    timeout, and a Redis that hangs costs connecting and subscribing a recheck and the bound at most. None
+    when the subscription is not confirmed within ``within``."""
+    pubsub = waiting_connection(settings, RECHECK_SECONDS).pubsub()
+    try:
+        pubsub.subscribe(news_channel(settings, job_id))
+        if pubsub.get_message(timeout=within) is None:
+            raise TimeoutError(f"the subscription was not confirmed within {within:g}s")
+    except Exception as exc:  # noqa: BLE001 - without Redis the wait falls back to looking every recheck
+        log.warning("could not listen for news of job %s's stream: %s", job_id, exc)
+        _close_blocking(pubsub)
+        return None
+    return pubsub
+
+
+def _hear(subscription: PubSub | None, job_id: str, seconds: float) -> PubSub | None:
+    """Return when news that may make room comes, or after ``seconds``. Everything else that has come by
+    then is read too, so one look answers all of it. Without a subscription, or once it breaks, just the
+    recheck's pause."""
+    if subscription is None:
+        time.sleep(seconds)
+        return None
+    until = time.monotonic() + seconds
+    try:
+        while (left := until - time.monotonic()) > 0:
+            message = subscription.get_message(ignore_subscribe_messages=True, timeout=left)
+            if message is not None and _news_of(message) != ITEM:
+                while subscription.get_message(ignore_subscribe_messages=True, timeout=0.0) is not None:
+                    pass
+                break
+        return subscription
+    except Exception as exc:  # noqa: BLE001 - the wait goes on by looking every recheck
+        log.warning("lost the news of job %s's stream: %s", job_id, exc)
+        _close_blocking(subscription)
+        return None
+
+
+def _close_blocking(pubsub: PubSub) -> None:
+    try:
+        pubsub.close()
+    except Exception as exc:  # noqa: BLE001 - closing a broken connection is no error of the wait
         log.debug("closing the news connection: %s", exc)

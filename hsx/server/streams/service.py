@@ -26,9 +26,9 @@ from hsx.server.jobs.repository import CommittedUnit
 from hsx.server.settings import Settings
 from hsx.server.streams import repository as repo
 from hsx.server.streams.budget import Budget
-from hsx.server.streams.news import announce
+from hsx.server.streams.news import ROOM, announce
 from hsx.server.streams.repository import ItemCounts, LeasedItem
-from hsx.server.streams.room import signal_room
+from hsx.server.streams.views import ConsumerView, consumer_view, consumer_views
 from hsx.streams.contract import CONSUME
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,17 @@ def waiting_on_consumers(session: Session, job: Job, settings: Settings, now: fl
     )
 
 
+def cap_holds_back(session: Session, job_id: str, settings: Settings, now: float) -> bool:
+    """A worker's wait for room goes on: the job runs, a unit is left to claim, and the cap refuses it,
+    counting every shard still stored (the waiting worker deletes acknowledged ones before it asks, so a
+    shard it cannot delete keeps it waiting rather than claiming in a loop that the cap refuses)."""
+    job = jobs_repo.get_job(session, job_id)
+    if job is None or job.state != JobState.running.value:
+        return False
+    room = budget(session, job, settings, now)
+    return room is not None and not room.may_claim() and job_queries.claimable_count(session, job_id, now) > 0
+
+
 def wakeable_units(session: Session, job_id: str, settings: Settings, now: float) -> int:
     """Claimable units worth waking workers for: none while a consume job's cap holds them back (its
     acknowledgements wake workers then; nothing polls it)."""
@@ -186,9 +197,9 @@ class StreamService:
         self.session.commit()
         return consumer
 
-    def consumers(self, job_id: str) -> list[StreamConsumer]:
+    def consumers(self, job_id: str) -> list[ConsumerView]:
         self._job(job_id)
-        return repo.list_consumers(self.session, job_id)
+        return consumer_views(self.session, job_id, time.time())
 
     def lease(
         self,
@@ -274,7 +285,7 @@ class StreamService:
         repo.touch_consumer(self.session, consumer.id, now)
         self.session.commit()
         if fresh and retention_of(job.options) == CONSUME and job.state == JobState.running.value:
-            signal_room(self.settings, job_id, fresh)
+            announce(self.settings, job_id, ROOM)  # a worker waiting under the cap looks again
             wake_workers(self.settings, self.session, job_id)
         if fresh and job.state == JobState.succeeded.value:
             announce(self.settings, job_id)  # another group's stream may have ended with these
@@ -323,16 +334,6 @@ def worth_waking(room: Budget) -> bool:
 
 
 @dataclass(frozen=True)
-class ConsumerStatus:
-    id: str
-    name: str
-    leased_items: int
-    leased_bytes: int
-    items_acked: int
-    idle_seconds: float
-
-
-@dataclass(frozen=True)
 class StreamStatus:
     retention: str
     cap_bytes: int | None
@@ -345,7 +346,7 @@ class StreamStatus:
     items_leased: int
     items_acked: int
     lag_bytes: int
-    consumers: list[ConsumerStatus]
+    consumers: list[ConsumerView]
 
 
 def status(session: Session, job: Job, settings: Settings, now: float) -> StreamStatus | None:
@@ -375,14 +376,5 @@ def status(session: Session, job: Job, settings: Settings, now: float) -> Stream
         items_leased=counts.leased,
         items_acked=counts.acked,
         lag_bytes=counts.ready_bytes,
-        consumers=[
-            ConsumerStatus(
-                c.id,
-                c.name,
-                *leases.get(c.id, (0, 0)),
-                c.items_acked,
-                round(max(now - c.last_seen, 0.0), 1),
-            )
-            for c in consumers
-        ],
+        consumers=[consumer_view(c, leases.get(c.id, (0, 0)), now) for c in consumers],
     )
