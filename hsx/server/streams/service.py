@@ -22,7 +22,7 @@ from hsx.server.job_options import JobOptions
 from hsx.server.jobs import queries as job_queries
 from hsx.server.jobs import repository as jobs_repo
 from hsx.server.jobs.publication import destination_of, shard_uri
-from hsx.server.jobs.repository import CommittedUnit
+from hsx.server.jobs.unit_results import CommittedUnit
 from hsx.server.settings import Settings
 from hsx.server.streams import repository as repo
 from hsx.server.streams.budget import Budget
@@ -75,8 +75,8 @@ def budget_of(job: Job, settings: Settings, counts: ItemCounts) -> Budget:
 
 
 def record_item(session: Session, committed: CommittedUnit) -> None:
-    """A unit-commit hook (:func:`hsx.server.jobs.repository.commit_unit`): the committed shard's stream item,
-    written in the same transaction, so every committed shard is an item the moment it is visible."""
+    """A unit-commit hook (:func:`hsx.server.jobs.unit_results.commit_unit`): the committed shard's stream
+    item, written in the same transaction, so every committed shard is an item the moment it is visible."""
     if committed.shard_id is not None and committed.shard is not None:
         unit = committed.unit
         repo.add_item(session, unit.job_id, committed.shard_id, unit.unit_index, committed.shard.bytes)
