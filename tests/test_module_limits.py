@@ -21,7 +21,6 @@ MAX_PROJECT_IMPORTS = 20
 LONG_MODULES = {
     "hsx.cli.main": "the CLI's commands, in one module since before the limit",
     "hsx.cli.progress": "the CLI's progress views, in one module since before the limit",
-    "hsx.server.streams.repository": "the stream tables' statements, in one module since before the limit",
 }
 # module -> why it is allowed past the import limit for now
 WIDE_MODULES = {

@@ -105,7 +105,7 @@ def test_the_stream_never_ends_early_while_acknowledgements_race_the_end_of_stre
     from hsx.server.db.session import session_scope
     from hsx.server.jobs import repository as repo
     from hsx.server.settings import get_settings
-    from hsx.server.streams import repository as streams
+    from hsx.server.streams import item_counts as counts
     from hsx.server.streams.service import StreamService
 
     units = 160
@@ -134,7 +134,7 @@ def test_the_stream_never_ends_early_while_acknowledgements_race_the_end_of_stre
     def ask() -> None:
         while not done.is_set():
             with session_scope(db_url) as session:
-                seen.append(streams.unacked_outside_group(session, job_id, "trainer", time.time()))
+                seen.append(counts.unacked_outside_group(session, job_id, "trainer", time.time()))
             with session_scope(db_url) as session:
                 ended.append(StreamService(session, settings).lease(job_id, asker, 1).end_of_stream)
 
@@ -152,7 +152,7 @@ def test_the_stream_never_ends_early_while_acknowledgements_race_the_end_of_stre
     assert set(seen) == {1}, sorted(set(seen))
     assert not any(ended)
     with session_scope(db_url) as session:
-        assert streams.item_counts(session, job_id, time.time()).acked == units - 1
+        assert counts.item_counts(session, job_id, time.time()).acked == units - 1
 
 
 def test_shards_committed_before_items_were_written_at_commit_get_theirs_from_the_migration(
