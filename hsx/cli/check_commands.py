@@ -76,7 +76,7 @@ def cmd_bench(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHES:
         print(f"usage: hsx bench {{{','.join(BENCHES)}}} [args]  (each takes --help)", file=sys.stderr)
         return 2
-    script = Path(__file__).resolve().parents[1] / "bench" / f"{argv[0]}.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / f"{argv[0]}.py"  # the checkout's root
     if not script.is_file():
         print(f"hsx bench: {script} is missing (benchmarks run from a source checkout)", file=sys.stderr)
         return 2
