@@ -76,7 +76,7 @@ class Monitor(threading.Thread):
 
     def run(self) -> None:
         from hsx.server.db.session import session_scope
-        from hsx.server.streams import repository
+        from hsx.server.streams.item_counts import buffered_bytes
 
         beat = 0
         while not self.stopped.wait(0.02):
@@ -84,7 +84,7 @@ class Monitor(threading.Thread):
             beat += 1
             if beat % 5 == 0:
                 with session_scope(self.db_url) as session:
-                    buffered = repository.buffered_bytes(session, self.job_id)
+                    buffered = buffered_bytes(session, self.job_id)
                 self.peak_buffered = max(self.peak_buffered, buffered)
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.jobs.service import SHARDS_IN_DOCUMENT, JobService
+from app.jobs.documents import SHARDS_IN_DOCUMENT
+from app.jobs.service import JobService
 from hsx.errors import Conflict
 from tests.fixtures.stack import REPO, TEST_TOKEN, Stack, make_stack
 

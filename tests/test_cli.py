@@ -1,4 +1,4 @@
-"""The operator's commands, run as a user would: ``hsx verify`` and ``hsx db upgrade``."""
+"""The operator's commands, run as a user would: ``hsx verify``, ``hsx db upgrade`` and ``hsx bench``."""
 
 from __future__ import annotations
 
@@ -61,3 +61,10 @@ def test_db_upgrade_creates_the_job_table(tmp_path: Path) -> None:
 
     names = set(sqlalchemy.inspect(sqlalchemy.create_engine(url)).get_table_names())
     assert {"jobs", "work_units", "shards", "rejections", "alembic_version"} <= names
+
+
+def test_bench_runs_the_checkouts_benchmark() -> None:
+    """``hsx bench NAME`` runs bench/NAME.py of the checkout hsx is installed from (its --help here)."""
+    done = hsx("bench", "pipeline", "--help")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("usage: hsx bench pipeline"), done.stdout

@@ -14,9 +14,9 @@ from typing import Any, Literal, get_args, get_origin
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from hsx.cli.api_client import EXIT_REFUSED
 from hsx.cli.main import build_parser
 from hsx.cli.options import add_model_flags, options_from_args
-from hsx.cli.progress import EXIT_REFUSED
 from hsx.server.job_options import JobOptions
 from tests.fixtures.live_server import serve_in_thread
 from tests.fixtures.stack import REPO, Stack

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx.cli.progress import (
+from hsx.cli.api_client import (
     EXIT_ACTIVE,
     EXIT_CANCELLED,
     EXIT_FAILED,

@@ -130,8 +130,8 @@ def test_hsx_status_exits_with_the_state_of_a_job_that_ended_while_polls_got_the
     status`` (one look, whose exit code says whether the job is over) reads the job table."""
     import json
 
+    from hsx.cli.api_client import EXIT_SUCCEEDED
     from hsx.cli.main import main
-    from hsx.cli.progress import EXIT_SUCCEEDED
     from hsx.server.db.models import JobState
     from hsx.server.db.session import session_scope
     from hsx.server.jobs import repository as repo

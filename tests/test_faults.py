@@ -652,6 +652,7 @@ def _claimer(db_url: str, job_id: str, stall: bool, marks: str, results: Any) ->
     from hsx.server.db.models import WorkUnit
     from hsx.server.db.session import session_scope
     from hsx.server.jobs import repository as repo
+    from hsx.server.jobs import unit_results
 
     owner = f"{socket.gethostname()}:{os.getpid()}"
     done: list[tuple[int, int, bool]] = []
@@ -677,10 +678,14 @@ def _claimer(db_url: str, job_id: str, stall: bool, marks: str, results: Any) ->
             os.close(fd)  # FileExistsError here would be a second placing of one unit
 
         n = unit.sample_end - unit.sample_start
-        rejected = [repo.RejectionRow(unit.sample_start, "test_reason", "first sample of each unit")]
-        shard = repo.ShardRow(f"{marks}/shard-{unit.unit_index}", "0" * 64, 100 * n, n - 1, 10 * (n - 1))
+        rejected = [unit_results.RejectionRow(unit.sample_start, "test_reason", "first sample of each unit")]
+        shard = unit_results.ShardRow(
+            f"{marks}/shard-{unit.unit_index}", "0" * 64, 100 * n, n - 1, 10 * (n - 1)
+        )
         with session_scope(db_url) as session:
-            ok = repo.commit_unit(session, unit, time.time(), shard, rejected, n - 1, 10 * (n - 1), place)
+            ok = unit_results.commit_unit(
+                session, unit, time.time(), shard, rejected, n - 1, 10 * (n - 1), place
+            )
         done.append((unit.unit_index, unit.attempt, ok))
     results.put((os.getpid(), done))
 

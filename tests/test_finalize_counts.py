@@ -21,13 +21,16 @@ def commit_one(db_url: str, job_id: str, out: Path) -> None:
 
     from hsx.server.db.session import session_scope
     from hsx.server.jobs import repository as repo
+    from hsx.server.jobs import unit_results
 
     with session_scope(db_url) as session:
         unit = repo.claim_unit(session, job_id, "host:1@http://engine", 60, time.time())
     assert unit is not None
     with session_scope(db_url) as session:
-        shard = repo.ShardRow(str(out / f"shard-{unit.unit_index:05d}.safetensors"), "0" * 64, 1000, 4, 40)
-        assert repo.commit_unit(session, unit, time.time(), shard, [], 4, 40, lambda: None)
+        shard = unit_results.ShardRow(
+            str(out / f"shard-{unit.unit_index:05d}.safetensors"), "0" * 64, 1000, 4, 40
+        )
+        assert unit_results.commit_unit(session, unit, time.time(), shard, [], 4, 40, lambda: None)
 
 
 def test_a_unit_committed_while_the_job_finalizes_is_counted_in_the_manifest(

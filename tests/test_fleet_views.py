@@ -23,6 +23,7 @@ def test_units_workers_and_engines_show_who_holds_what(
 ) -> None:
     from hsx.server.db.session import session_scope
     from hsx.server.jobs import repository as repo
+    from hsx.server.jobs import unit_results
 
     stack = make_stack(db_url, redis_url, DOWN_ENGINE, tmp_path, monkeypatch)
     job_id = running_job(db_url, tmp_path / "out", units=3)
@@ -31,7 +32,7 @@ def test_units_workers_and_engines_show_who_holds_what(
     with session_scope(db_url) as session:
         done = repo.claim_unit(session, job_id, f"host-b:22@{ENGINE_B}", 60, time.time())
         assert done is not None
-        assert repo.commit_unit(session, done, time.time(), None, [], 4, 40, lambda: None)
+        assert unit_results.commit_unit(session, done, time.time(), None, [], 4, 40, lambda: None)
 
     page = stack.client.get(f"/jobs/{job_id}/units")
     assert page.status_code == 200, page.text

@@ -227,7 +227,7 @@ def test_the_graph_sees_function_level_and_relative_imports() -> None:
     graph = import_graph()
     assert len(graph) > 120  # every module of the three roots
     # Imported only inside the function that runs the command, and as ``from package import module``.
-    assert "hsx.integrations.specforge.feeder" in graph["hsx.cli.main"]
+    assert "hsx.integrations.specforge.feeder" in graph["hsx.cli.job_commands"]
     assert "hsx.integrations.specforge.feed_layout" in graph["hsx.integrations.specforge.feeder"]
     assert "hsx.server.db.stream_models" in graph["hsx.server.streams.repository"]
 

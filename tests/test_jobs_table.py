@@ -15,7 +15,7 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
-from hsx.cli.progress import jobs_table, shorten_middle
+from hsx.cli.job_tables import jobs_table, shorten_middle
 from tests.fixtures.live_server import serve_in_thread
 from tests.fixtures.stack import REPO, Stack
 

@@ -94,7 +94,7 @@ def test_finalizing_a_job_writes_its_engines_layout_into_the_manifest(db_url: st
 
     from hsx.server.db.models import Job
     from hsx.server.db.session import session_scope
-    from hsx.server.jobs import finalize
+    from hsx.server.jobs import finalize, unit_results
     from hsx.server.jobs import repository as repo
 
     out = tmp_path / "out"
@@ -106,7 +106,7 @@ def test_finalizing_a_job_writes_its_engines_layout_into_the_manifest(db_url: st
         unit = repo.claim_unit(session, job_id, "host:1@http://engine", 60, time.time())
     assert unit is not None
     with session_scope(db_url) as session:
-        shard = repo.ShardRow(str(out / "shard-00000.safetensors"), "0" * 64, 1000, 4, 40)
-        assert repo.commit_unit(session, unit, time.time(), shard, [], 4, 40, lambda: None)
+        shard = unit_results.ShardRow(str(out / "shard-00000.safetensors"), "0" * 64, 1000, 4, 40)
+        assert unit_results.commit_unit(session, unit, time.time(), shard, [], 4, 40, lambda: None)
     assert finalize.finalize_if_complete(db_url, job_id)
     assert Manifest.load(out).parallel_layout == KIMI_LAYOUT

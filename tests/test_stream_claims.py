@@ -174,7 +174,7 @@ def test_a_refusing_store_fails_the_job_which_keeps_its_unacknowledged_shards(
 
 def test_a_cancelled_consume_job_keeps_its_unacknowledged_shards(stack: Stack) -> None:
     from hsx.server.db.session import session_scope
-    from hsx.server.streams import repository as streams_repository
+    from hsx.server.streams.item_counts import buffered_bytes
 
     data = write_pretokenized(stack.tmp / "d.jsonl", [48] * 8)
     job_id = stack.submit(data, samples_per_shard=2, retention="consume", buffer_cap_bytes=10**9)["id"]
@@ -192,7 +192,7 @@ def test_a_cancelled_consume_job_keeps_its_unacknowledged_shards(stack: Stack) -
     assert len(unacknowledged) == 2 and held["path"] in {s["path"] for s in unacknowledged}
     assert all(Path(s["path"]).exists() for s in unacknowledged), unacknowledged
     with session_scope(stack.env["HSX_DATABASE_URL"]) as session:
-        assert streams_repository.buffered_bytes(session, job_id) >= sum(s["bytes"] for s in unacknowledged)
+        assert buffered_bytes(session, job_id) >= sum(s["bytes"] for s in unacknowledged)
 
 
 def test_an_object_delete_that_failed_is_tried_again(

@@ -64,11 +64,11 @@ class BufferWatch(threading.Thread):
 
     def run(self) -> None:
         from hsx.server.db.session import session_scope
-        from hsx.server.streams import repository
+        from hsx.server.streams.item_counts import buffered_bytes
 
         while not self.stopped.wait(0.05):
             with session_scope(self.db_url) as session:
-                held = repository.buffered_bytes(session, self.job_id)
+                held = buffered_bytes(session, self.job_id)
             self.peak = max(self.peak, held)
 
 

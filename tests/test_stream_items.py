@@ -22,7 +22,7 @@ from tests.fixtures.jobs import running_job
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from hsx.server.jobs.repository import CommitHook, CommittedUnit
+    from hsx.server.jobs.unit_results import CommitHook, CommittedUnit
 
 
 def commit_units(db_url: str, job_id: str, count: int, hooks: Sequence[CommitHook] | None = None) -> None:
@@ -30,6 +30,7 @@ def commit_units(db_url: str, job_id: str, count: int, hooks: Sequence[CommitHoo
     stream's commit hook."""
     from hsx.server.db.session import session_scope
     from hsx.server.jobs import repository as repo
+    from hsx.server.jobs import unit_results
     from hsx.server.streams.service import record_item
 
     for _ in range(count):
@@ -37,9 +38,13 @@ def commit_units(db_url: str, job_id: str, count: int, hooks: Sequence[CommitHoo
             unit = repo.claim_unit(session, job_id, "host:1@http://engine", 60, time.time())
         assert unit is not None
         with session_scope(db_url) as session:
-            shard = repo.ShardRow(f"/nowhere/{job_id}/shard-{unit.unit_index:05d}", "0" * 64, 1000, 4, 40)
+            shard = unit_results.ShardRow(
+                f"/nowhere/{job_id}/shard-{unit.unit_index:05d}", "0" * 64, 1000, 4, 40
+            )
             chosen = (record_item,) if hooks is None else hooks
-            assert repo.commit_unit(session, unit, time.time(), shard, [], 4, 40, lambda: None, (), chosen)
+            assert unit_results.commit_unit(
+                session, unit, time.time(), shard, [], 4, 40, lambda: None, (), chosen
+            )
 
 
 def items_of(db_url: str, job_id: str) -> list[tuple[int, int, int]]:
@@ -100,7 +105,7 @@ def test_the_stream_never_ends_early_while_acknowledgements_race_the_end_of_stre
     from hsx.server.db.session import session_scope
     from hsx.server.jobs import repository as repo
     from hsx.server.settings import get_settings
-    from hsx.server.streams import repository as streams
+    from hsx.server.streams import item_counts as counts
     from hsx.server.streams.service import StreamService
 
     units = 160
@@ -129,7 +134,7 @@ def test_the_stream_never_ends_early_while_acknowledgements_race_the_end_of_stre
     def ask() -> None:
         while not done.is_set():
             with session_scope(db_url) as session:
-                seen.append(streams.unacked_outside_group(session, job_id, "trainer", time.time()))
+                seen.append(counts.unacked_outside_group(session, job_id, "trainer", time.time()))
             with session_scope(db_url) as session:
                 ended.append(StreamService(session, settings).lease(job_id, asker, 1).end_of_stream)
 
@@ -147,7 +152,7 @@ def test_the_stream_never_ends_early_while_acknowledgements_race_the_end_of_stre
     assert set(seen) == {1}, sorted(set(seen))
     assert not any(ended)
     with session_scope(db_url) as session:
-        assert streams.item_counts(session, job_id, time.time()).acked == units - 1
+        assert counts.item_counts(session, job_id, time.time()).acked == units - 1
 
 
 def test_shards_committed_before_items_were_written_at_commit_get_theirs_from_the_migration(

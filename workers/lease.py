@@ -15,6 +15,7 @@ from hsx.server.db.session import session_scope
 from hsx.server.jobs import queries
 from hsx.server.jobs import repository as repo
 from hsx.server.jobs.repository import ClaimedUnit, LiveCounts
+from hsx.server.jobs.unit_results import unit_committed_by
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class LeaseKeeper:
                     counts = self.live() if self.live is not None else None
                     if not repo.extend_lease(session, self.unit, self.lease_seconds, time.time(), counts):
                         # A beat landing just after this attempt's own commit finds the unit done: not a loss.
-                        if not repo.unit_committed_by(session, self.unit):
+                        if not unit_committed_by(session, self.unit):
                             log.warning("lease on unit %s attempt %s lost", self.unit.id, self.unit.attempt)
                         self.lost.set()
                         return

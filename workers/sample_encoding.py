@@ -19,7 +19,7 @@ from hsx.engine.validation import DUMP_TOO_LARGE, TOO_LONG
 from hsx.safetensors_io import DTYPE_SIZES
 from hsx.server import telemetry
 from hsx.server.ingest import Pretokenized, Record, SampleError
-from hsx.server.jobs.repository import RejectionRow, TruncationRow
+from hsx.server.jobs.unit_results import RejectionRow, TruncationRow
 from workers.job_plan import REJECT, JobPlan
 
 if TYPE_CHECKING:

@@ -15,8 +15,9 @@ from hsx.layout import place_file, shard_data_sha256, shard_file_name, staged_sh
 from hsx.server import telemetry
 from hsx.server.db.session import retry_db, session_scope
 from hsx.server.faults import crash_point
-from hsx.server.jobs import repository as repo
-from hsx.server.jobs.repository import ClaimedUnit, CommitHook, ShardRow
+from hsx.server.jobs import unit_results
+from hsx.server.jobs.repository import ClaimedUnit
+from hsx.server.jobs.unit_results import CommitHook, ShardRow
 from workers.shards import ShardWriteError
 from workers.unit_processor import UnitResult
 
@@ -34,7 +35,7 @@ def staged_path(output_dir: str, unit_index: int, attempt: int) -> Path:
 def commit_unit(
     db_url: str, unit: ClaimedUnit, result: UnitResult, output_dir: str, hooks: Sequence[CommitHook] = ()
 ) -> bool:
-    """``hooks`` run inside the commit's transaction (:data:`hsx.server.jobs.repository.CommitHook`)."""
+    """``hooks`` run inside the commit's transaction (:data:`hsx.server.jobs.unit_results.CommitHook`)."""
     final = shard_path(output_dir, unit.unit_index)
     staged = staged_path(output_dir, unit.unit_index, unit.attempt)
     shard: ShardRow | None = None
@@ -57,7 +58,7 @@ def commit_unit(
     def attempt_commit() -> bool:
         try:
             with session_scope(db_url) as session:
-                return repo.commit_unit(
+                return unit_results.commit_unit(
                     session,
                     unit,
                     time.time(),
@@ -72,7 +73,7 @@ def commit_unit(
         except OperationalError:
             # The commit may have landed before the connection dropped: ask before retrying.
             with session_scope(db_url) as session:
-                if repo.unit_committed_by(session, unit):
+                if unit_results.unit_committed_by(session, unit):
                     return True
             raise
 

@@ -2,7 +2,7 @@
 
 * record stages, between reading a unit's records and capturing them, under the unit's lease (regeneration
   is one: capture takes the texts it kept instead of the records read);
-* hooks inside the commit's transaction (:data:`hsx.server.jobs.repository.CommitHook`): what they write
+* hooks inside the commit's transaction (:data:`hsx.server.jobs.unit_results.CommitHook`): what they write
   commits with the unit or not at all;
 * work after the commit (publication, news of the new item), best effort: the unit is committed whatever it
   does, and what it leaves undone is caught up elsewhere (the reconciler, finalize, a lease's next look).
@@ -19,7 +19,8 @@ from typing import Any, Protocol
 
 from hsx.engine.client import EngineClient
 from hsx.server.ingest import Record
-from hsx.server.jobs.repository import ClaimedUnit, CommitHook
+from hsx.server.jobs.repository import ClaimedUnit
+from hsx.server.jobs.unit_results import CommitHook
 from hsx.server.settings import Settings
 from workers.job_plan import JobPlan
 

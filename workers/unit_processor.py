@@ -43,7 +43,8 @@ from hsx.engine.validation import DTYPE_MISMATCH, ENGINE_TIMEOUT, SampleRejected
 from hsx.safetensors_io import DTYPE_SIZES
 from hsx.server import telemetry
 from hsx.server.ingest import Record
-from hsx.server.jobs.repository import ClaimedUnit, LiveCounts, RejectionRow, TruncationRow
+from hsx.server.jobs.repository import ClaimedUnit, LiveCounts
+from hsx.server.jobs.unit_results import RejectionRow, TruncationRow
 from workers.job_plan import JobPlan
 from workers.sample_encoding import SampleEncoder
 from workers.shards import ShardInfo, ShardStream

@@ -11,7 +11,8 @@ from fastapi.responses import StreamingResponse
 from app.deps import SessionDep, SettingsDep
 from app.jobs import schemas
 from app.jobs.document_cache import DocumentCache, wants_fresh
-from app.jobs.service import JobService, render_document
+from app.jobs.documents import JobDocuments, render_document
+from app.jobs.service import JobService
 from hsx.errors import UnsupportedMediaType
 from hsx.server.regenerate.export import MEDIA_TYPE
 from hsx.server.settings import Settings
@@ -61,12 +62,11 @@ def submit_job(
     settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(max_length=200, pattern=r"^[A-Za-z0-9._:\-]+$")] = None,
 ) -> schemas.JobOut:
-    service = JobService(session, settings)
-    job, created = service.submit(body, idempotency_key)
+    job, created = JobService(session, settings).submit(body, idempotency_key)
     if not created:
         response.status_code = status.HTTP_200_OK
     response.headers["Location"] = f"/jobs/{job.id}"
-    return service.document(job)
+    return JobDocuments(session, settings).document(job)
 
 
 @router.get("", response_model=schemas.JobPage, responses=ERRORS)
@@ -77,7 +77,7 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
 ) -> schemas.JobPage:
-    return JobService(session, settings).jobs(state, limit, offset)
+    return JobDocuments(session, settings).jobs(state, limit, offset)
 
 
 _documents: DocumentCache | None = None
@@ -124,7 +124,7 @@ def get_shards(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
 ) -> schemas.ShardPage:
-    return JobService(session, settings).shards(job_id, limit, offset)
+    return JobDocuments(session, settings).shards(job_id, limit, offset)
 
 
 @router.get("/{job_id}/rejections", response_model=schemas.RejectionPage, responses=ERRORS)
@@ -135,7 +135,7 @@ def get_rejections(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
 ) -> schemas.RejectionPage:
-    return JobService(session, settings).rejections(job_id, limit, offset)
+    return JobDocuments(session, settings).rejections(job_id, limit, offset)
 
 
 @router.get("/{job_id}/truncations", response_model=schemas.TruncationPage, responses=ERRORS)
@@ -146,7 +146,7 @@ def get_truncations(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
 ) -> schemas.TruncationPage:
-    return JobService(session, settings).truncations(job_id, limit, offset)
+    return JobDocuments(session, settings).truncations(job_id, limit, offset)
 
 
 @router.get(
@@ -161,7 +161,7 @@ def get_regenerated(job_id: str, settings: SettingsDep) -> StreamingResponse:
 
     session = session_factory(settings.resolved_database_url)()
     try:
-        lines = JobService(session, settings).regenerated_lines(job_id)
+        lines = JobDocuments(session, settings).regenerated_lines(job_id)
     except BaseException:
         session.close()
         raise
@@ -180,15 +180,15 @@ def get_regenerated(job_id: str, settings: SettingsDep) -> StreamingResponse:
 def retry_job(job_id: str, session: SessionDep, settings: SettingsDep) -> schemas.JobOut:
     """Run a failed, cancelled or finished job again: its failed units, and its samples rejected for an
     engine-side reason (cached_tokens, dump_missing, engine_timeout, ...). Published samples stay."""
-    service = JobService(session, settings)
-    document = service.document(service.retry(job_id))
+    job = JobService(session, settings).retry(job_id)
+    document = JobDocuments(session, settings).document(job)
     document_cache(settings).forget(job_id)
     return document
 
 
 @router.post("/{job_id}/cancel", response_model=schemas.JobOut, responses=ERRORS)
 def cancel_job(job_id: str, session: SessionDep, settings: SettingsDep) -> schemas.JobOut:
-    service = JobService(session, settings)
-    document = service.document(service.cancel(job_id))
+    job = JobService(session, settings).cancel(job_id)
+    document = JobDocuments(session, settings).document(job)
     document_cache(settings).forget(job_id)
     return document

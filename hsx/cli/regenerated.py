@@ -11,7 +11,7 @@ from typing import BinaryIO
 
 import httpx
 
-from hsx.cli.progress import EXIT_REFUSED, EXIT_SUCCEEDED, EXIT_UNREACHABLE, Api, ApiError
+from hsx.cli.api_client import EXIT_REFUSED, EXIT_SUCCEEDED, EXIT_UNREACHABLE, Api, ApiError
 
 
 def download(api: Api, job_id: str, out: BinaryIO) -> int:

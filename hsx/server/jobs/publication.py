@@ -29,6 +29,7 @@ from hsx.server.db.session import retry_db, session_scope
 from hsx.server.job_options import JobOptions
 from hsx.server.jobs import queries
 from hsx.server.jobs import repository as repo
+from hsx.server.jobs.unit_results import mark_published
 from hsx.server.settings import Settings
 from hsx.streams.contract import KEEP
 
@@ -176,7 +177,7 @@ def _record(db_url: str, shard_id: int, destination: str, relative: str, setting
 
     def mark() -> bool:
         with session_scope(db_url) as session:
-            if repo.mark_published(session, shard_id, time.time()):
+            if mark_published(session, shard_id, time.time()):
                 return False
             return queries.shard_deleted(session, shard_id)
 

@@ -1,8 +1,8 @@
 """The rules of a job's stream: who may read it, what a lease hands out, what an acknowledgement frees,
 and whether a worker may claim another unit of a consume job (the byte cap). The API and the workers both
-call here; the queries are in :mod:`hsx.server.streams.repository`. Nothing here touches the output: the API
-records acknowledgements, and the hosts that hold the shards delete them
-(:mod:`hsx.server.streams.deletion`)."""
+call here; the queries are in :mod:`hsx.server.streams.repository` and the counts in
+:mod:`hsx.server.streams.item_counts`. Nothing here touches the output: the API records acknowledgements,
+and the hosts that hold the shards delete them (:mod:`hsx.server.streams.deletion`)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ from hsx.server.job_options import JobOptions
 from hsx.server.jobs import queries as job_queries
 from hsx.server.jobs import repository as jobs_repo
 from hsx.server.jobs.publication import destination_of, shard_uri
-from hsx.server.jobs.repository import CommittedUnit
+from hsx.server.jobs.unit_results import CommittedUnit
 from hsx.server.settings import Settings
 from hsx.server.streams import repository as repo
 from hsx.server.streams.budget import Budget
+from hsx.server.streams.item_counts import ItemCounts, item_counts, unacked_outside_group
 from hsx.server.streams.news import ROOM, announce
-from hsx.server.streams.repository import ItemCounts, LeasedItem
+from hsx.server.streams.repository import LeasedItem
 from hsx.server.streams.views import ConsumerView, consumer_view, consumer_views
 from hsx.streams.contract import CONSUME
 
@@ -61,7 +62,7 @@ def budget(session: Session, job: Job, settings: Settings, now: float) -> Budget
     """A consume job's bytes as the claim rule counts them; None for a job that keeps its output."""
     if retention_of(job.options) != CONSUME:
         return None
-    return budget_of(job, settings, repo.item_counts(session, job.id, now))
+    return budget_of(job, settings, item_counts(session, job.id, now))
 
 
 def budget_of(job: Job, settings: Settings, counts: ItemCounts) -> Budget:
@@ -75,8 +76,8 @@ def budget_of(job: Job, settings: Settings, counts: ItemCounts) -> Budget:
 
 
 def record_item(session: Session, committed: CommittedUnit) -> None:
-    """A unit-commit hook (:func:`hsx.server.jobs.repository.commit_unit`): the committed shard's stream item,
-    written in the same transaction, so every committed shard is an item the moment it is visible."""
+    """A unit-commit hook (:func:`hsx.server.jobs.unit_results.commit_unit`): the committed shard's stream
+    item, written in the same transaction, so every committed shard is an item the moment it is visible."""
     if committed.shard_id is not None and committed.shard is not None:
         unit = committed.unit
         repo.add_item(session, unit.job_id, committed.shard_id, unit.unit_index, committed.shard.bytes)
@@ -242,7 +243,7 @@ class StreamService:
         end = (
             not items
             and job.state == JobState.succeeded.value
-            and repo.unacked_outside_group(self.session, job_id, consumer.group_name, now) == 0
+            and unacked_outside_group(self.session, job_id, consumer.group_name, now) == 0
         )
         self._seen(consumer, now, wrote=bool(items))
         return LeaseAnswer(job.state, items, end, job.error)
@@ -355,7 +356,7 @@ def status(session: Session, job: Job, settings: Settings, now: float) -> Stream
     consume = retention_of(job.options) == CONSUME
     if not consume and not consumers:
         return None
-    counts = repo.item_counts(session, job.id, now)
+    counts = item_counts(session, job.id, now)
     room = budget_of(job, settings, counts) if consume else None
     leases = repo.consumer_leases(session, job.id, now)
     waiting = (
