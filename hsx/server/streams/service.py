@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -101,14 +101,7 @@ def may_claim(session: Session, job_id: str, settings: Settings, now: float) -> 
 def waiting_on_consumers(session: Session, job: Job, settings: Settings, now: float) -> bool:
     """Work is left to claim and the cap holds it back until consumers acknowledge (acknowledged shards
     not deleted yet hold nothing back for long: the next worker to claim deletes them first)."""
-    if job.state != JobState.running.value:
-        return False
-    room = budget(session, job, settings, now)
-    return (
-        room is not None
-        and not room.may_claim_once_deleted()
-        and job_queries.claimable_count(session, job.id, now) > 0
-    )
+    return _cap_refuses_work_left(session, job, settings, now, Budget.may_claim_once_deleted)
 
 
 def cap_holds_back(session: Session, job_id: str, settings: Settings, now: float) -> bool:
@@ -116,10 +109,17 @@ def cap_holds_back(session: Session, job_id: str, settings: Settings, now: float
     counting every shard still stored (the waiting worker deletes acknowledged ones before it asks, so a
     shard it cannot delete keeps it waiting rather than claiming in a loop that the cap refuses)."""
     job = jobs_repo.get_job(session, job_id)
-    if job is None or job.state != JobState.running.value:
+    return job is not None and _cap_refuses_work_left(session, job, settings, now, Budget.may_claim)
+
+
+def _cap_refuses_work_left(
+    session: Session, job: Job, settings: Settings, now: float, allows: Callable[[Budget], bool]
+) -> bool:
+    """The job runs, a unit is left to claim, and its cap, read by ``allows``, refuses the claim."""
+    if job.state != JobState.running.value:
         return False
     room = budget(session, job, settings, now)
-    return room is not None and not room.may_claim() and job_queries.claimable_count(session, job_id, now) > 0
+    return room is not None and not allows(room) and job_queries.claimable_count(session, job.id, now) > 0
 
 
 def wakeable_units(session: Session, job_id: str, settings: Settings, now: float) -> int:
