@@ -140,7 +140,7 @@ def test_a_room_wait_longer_than_a_short_call_ends_on_its_own_terms(
 
     with caplog.at_level(logging.WARNING):
         started = time.monotonic()
-        held = news.wait_blocking(settings, "job-a", 12, look, lambda held: held)
+        held = news.wait_blocking(settings, "job-a", 12, look)
         waited = time.monotonic() - started
     assert held is True
     assert waited >= 11.5, f"the wait ended after {waited:.1f}s, before the 12 s it asked for"
@@ -168,7 +168,7 @@ def test_waits_on_a_redis_that_hangs_end_within_their_wait_and_the_bound(
 
         with caplog.at_level(logging.WARNING):
             seconds, held = timed(
-                lambda: news.wait_blocking(settings, "job-a", 1, worker_look, lambda held: held),
+                lambda: news.wait_blocking(settings, "job-a", 1, worker_look),
                 1 + BOUND + 30,
             )
         assert held is True and seconds <= 1 + BOUND + SLACK, seconds

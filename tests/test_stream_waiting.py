@@ -320,7 +320,7 @@ def test_news_of_room_ends_a_workers_wait_for_room_at_once(
 
     answers: list[bool] = []
     waiting = threading.Thread(
-        target=lambda: answers.append(news.wait_blocking(settings, "job", 2 * LONG, look, lambda held: held)),
+        target=lambda: answers.append(news.wait_blocking(settings, "job", 2 * LONG, look)),
         daemon=True,
     )
     started = time.monotonic()

@@ -87,7 +87,6 @@ class UnitLoop:
                     self.job_id,
                     self.settings.stream_room_wait_seconds,
                     lambda: self._held_back(deletion),
-                    lambda held: held,
                 )
                 before["room_wait_s"] += time.monotonic() - waiting
                 if not held_back:

@@ -236,23 +236,23 @@ def wait_blocking(
     settings: Settings,
     job_id: str,
     seconds: float,
-    look: Callable[[], Answer],
-    worth_waiting: Callable[[Answer], bool],
-) -> Answer:
-    """:func:`wait_for` for a thread that may block (a work horse waiting for room under the cap): ``look()``
-    until its answer is not ``worth_waiting`` on, or ``seconds`` have passed; once at once, then on news
-    other than an item's and at least every ``RECHECK_SECONDS``. The subscription is confirmed before the
-    first look, so news that comes during a look is read by the next wait, which ends at once."""
+    held_back: Callable[[], bool],
+) -> bool:
+    """:func:`wait_for` for a thread that may block (a work horse waiting for room under the cap): ask
+    ``held_back()`` until it says False, or ``seconds`` have passed, and return its last answer; once at
+    once, then on news other than an item's and at least every ``RECHECK_SECONDS``. The subscription is
+    confirmed before the first look, so news that comes during a look is read by the next wait, which ends
+    at once."""
     if seconds <= 0:
-        return look()
+        return held_back()
     deadline = time.monotonic() + seconds
     subscription = _subscribe(settings, job_id, min(seconds, RECHECK_SECONDS))
     try:
-        answer = look()
-        while worth_waiting(answer) and (left := deadline - time.monotonic()) > 0:
+        held = held_back()
+        while held and (left := deadline - time.monotonic()) > 0:
             subscription = _hear(subscription, job_id, min(left, RECHECK_SECONDS))
-            answer = look()
-        return answer
+            held = held_back()
+        return held
     finally:
         if subscription is not None:
             _close_blocking(subscription)
